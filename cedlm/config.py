@@ -1,0 +1,454 @@
+"""Model configuration: the official `deepseek_v41` config.json schema as a dataclass.
+
+`ModelConfig.from_json` reads the official V4.1 file (fields under `text_config`, the rest kept
+for round-trip), the flat V4-Flash schema (mapped onto the same roles: every compressed layer is
+its own KV source, ratio-4 layers own index keys, FP8 main KV) and, for accounting only, the
+V3 (MLA) and llama schemas. Layer roles are always derived from the lists, never hard-coded.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+# Families: "ced" (V4.1 schema; runnable), "v4" (V4-Flash schema; runnable as a CSA/HCA twin),
+# "mla" (V3; accounting only), "llama" (dense GQA; accounting only).
+RUNNABLE_FAMILIES = ("ced", "v4")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the offending field."""
+
+
+@dataclass
+class ModelConfig:
+    # --- official text_config fields (names as in config.json) ---
+    model_type: str = "deepseek_v41_text"
+    vocab_size: int = 129280
+    hidden_size: int = 5120
+    moe_intermediate_size: int = 2304
+    num_hidden_layers: int = 40
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = 512
+    qk_rope_head_dim: int = 64
+    q_lora_rank: int = 1280
+    o_lora_rank: int = 1024
+    o_groups: int = 8
+    hidden_act: str = "silu"
+    swiglu_limit: float = 10.0
+    rms_norm_eps: float = 1e-20
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default_factory=lambda: {
+        "rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+        "original_max_position_embeddings": 65536})
+    n_routed_experts: int = 384
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 6
+    scoring_func: str = "sqrtsoftplus"
+    topk_method: str = "noaux_tc"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    sliding_window: int = 128
+    compress_ratios: list[int] = field(default_factory=lambda: [0, 0] + [2] * 18 + [1] * 20 + [0] * 3)
+    compress_rope_theta: float = 160000.0
+    kv_source_layer_ids: list[int] = field(default_factory=lambda: [2, 8, 14, 20])
+    index_source_layer_ids: list[int] = field(default_factory=lambda: [2, 8, 14, 20, 24, 28, 32, 36])
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    candidate_source_layer_id: int | None = 20
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    engram_layer_ids: list[int] = field(default_factory=lambda: [1, 14])
+    engram_num_embeddings: list[int] = field(default_factory=lambda: [384006168, 384016682])
+    engram_max_ngram_size: int = 4
+    engram_vocab_size: int = 16000000
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_pad_token_id: int = 2
+    engram_compressed_vocab_size: int = 99092
+    num_nextn_predict_layers: int = 3
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: list[int] = field(default_factory=lambda: [37, 38, 39])
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_num_experts_per_tok: int = 3
+
+    # --- top-level fields of the official file (kept so the file round-trips) ---
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    pad_token_id: int = 2
+    image_token_id: int | None = 129264
+
+    # --- cedlm fields (not in the official schema; written under "cedlm" on save) ---
+    family: str = "ced"
+    main_kv_format: str = "kv_fp4"        # kv_fp4 (V4.1, 288 B/512) | v4_fp8 (V4, 584 B/512) | bf16
+    index_kv_format: str = "index_fp4"    # index keys: 68 B/128
+    window_kv_format: str = "window_fp8"  # 528 B/512
+    # DESIGN.md lists a weightless per-head RMS norm of the queries; vLLM's V4.1 and the PyPTO
+    # reference port do not apply one (V4 did). Off by default to match V4.1; kept as an option.
+    q_head_norm: bool = False
+    kv_lora_rank: int = 0                 # mla family only
+    intermediate_size: int = 0            # llama / dense MLP (accounting)
+    first_k_dense_replace: int = 0        # mla family only
+    num_hash_layers: int = 0              # v4 family only (hash-routed MoE; accounting)
+
+    # Everything else in the source file, by path, so `to_dict` round-trips it.
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.validate()
+
+    # ------------------------------------------------------------------ derived roles
+    @property
+    def n_layers(self) -> int:
+        return self.num_hidden_layers
+
+    def ratio(self, layer: int) -> int:
+        return self.compress_ratios[layer]
+
+    def kv_source_of(self, layer: int) -> int | None:
+        """The most recent KV source at or below `layer` (None for ratio-0 layers)."""
+        if self.compress_ratios[layer] == 0:
+            return None
+        srcs = [s for s in self.kv_source_layer_ids if s <= layer]
+        return srcs[-1] if srcs else None
+
+    def index_source_of(self, layer: int) -> int | None:
+        if self.compress_ratios[layer] == 0:
+            return None
+        srcs = [s for s in self.index_source_layer_ids if s <= layer]
+        return srcs[-1] if srcs else None
+
+    def role(self, layer: int) -> str:
+        """'swa' | 'full' (own KV + index keys) | 'reindex' (own indexer queries) | 'reuse'."""
+        if self.compress_ratios[layer] == 0:
+            return "swa"
+        if layer in self.kv_source_layer_ids:
+            return "full"
+        if layer in self.index_source_layer_ids:
+            return "reindex"
+        return "reuse"
+
+    @property
+    def roles(self) -> list[str]:
+        return [self.role(i) for i in range(self.n_layers)]
+
+    @property
+    def index_key_layer_ids(self) -> list[int]:
+        """Layers that store index keys: index sources that are also KV sources."""
+        return [i for i in self.kv_source_layer_ids if i in self.index_source_layer_ids]
+
+    @property
+    def decoder_start(self) -> int:
+        """First decoder layer: the ratio-1 KV source (the global-KV projection).
+
+        Equals n_layers when the config has no decoder (V4-style: every layer sees every token).
+        """
+        ones = [i for i in self.kv_source_layer_ids if self.compress_ratios[i] == 1]
+        return ones[0] if ones else self.n_layers
+
+    @property
+    def n_decoder_layers(self) -> int:
+        return self.n_layers - self.decoder_start
+
+    @property
+    def exact_prefill_tokens(self) -> int:
+        """Decoder tokens that make prefill exact.
+
+        Each decoder layer's window reaches n_win - 1 tokens back, so L_dec stacked windows give
+        L_dec * (n_win - 1) + 1. The first decoder layer (the global-KV source) writes its window
+        KV for every prompt token in the encoder pass (as vLLM's decoder replay does), so its
+        window is always complete and one window less suffices: (L_dec - 1) * (n_win - 1) + 1.
+        """
+        return max(self.n_decoder_layers - 1, 0) * (self.sliding_window - 1) + 1
+
+    def rope_theta_of(self, layer: int) -> float:
+        return self.rope_theta if self.compress_ratios[layer] == 0 else self.compress_rope_theta
+
+    def uses_yarn(self, layer: int) -> bool:
+        return self.compress_ratios[layer] > 0 and bool(self.rope_scaling)
+
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        if self.family not in ("ced", "v4", "mla", "llama"):
+            raise ConfigError(f"family: unknown {self.family!r}")
+        if self.family in ("mla", "llama"):
+            return
+        L = self.num_hidden_layers
+
+        def need(cond: bool, fld: str, msg: str):
+            if not cond:
+                raise ConfigError(f"{fld}: {msg}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window",
+                     "hc_mult", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok"):
+            need(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        need(len(self.compress_ratios) in (L, L + self.num_nextn_predict_layers), "compress_ratios",
+             f"has {len(self.compress_ratios)} entries; expected num_hidden_layers ({L}) "
+             f"+ num_nextn_predict_layers ({self.num_nextn_predict_layers}) = "
+             f"{L + self.num_nextn_predict_layers}")
+        for i in range(L, len(self.compress_ratios)):
+            need(self.compress_ratios[i] == 0, "compress_ratios",
+                 f"entry {i} is a DSpark/MTP block and must be 0 (SWA only)")
+        need(all(r >= 0 for r in self.compress_ratios), "compress_ratios", "must be >= 0")
+        need(self.qk_rope_head_dim % 2 == 0 and 0 < self.qk_rope_head_dim <= self.head_dim,
+             "qk_rope_head_dim", f"must be even and in (0, head_dim={self.head_dim}]")
+        need(self.num_attention_heads % self.o_groups == 0, "o_groups",
+             f"num_attention_heads ({self.num_attention_heads}) must be a multiple of o_groups")
+        need(self.num_key_value_heads == 1, "num_key_value_heads",
+             "must be 1 (single shared latent as K and V)")
+        need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
+             f"{self.num_experts_per_tok} > n_routed_experts {self.n_routed_experts}")
+        need(self.scoring_func in ("sqrtsoftplus", "sigmoid", "softmax"), "scoring_func",
+             f"unsupported {self.scoring_func!r}")
+
+        def ids_ok(fld: str, ids: list[int]):
+            need(ids == sorted(set(ids)), fld, f"must be strictly increasing, got {ids}")
+            need(all(0 <= i < L for i in ids), fld, f"ids must be in [0, {L}), got {ids}")
+
+        ids_ok("kv_source_layer_ids", self.kv_source_layer_ids)
+        ids_ok("index_source_layer_ids", self.index_source_layer_ids)
+        ids_ok("engram_layer_ids", self.engram_layer_ids)
+        for s in self.kv_source_layer_ids:
+            need(self.compress_ratios[s] > 0, "kv_source_layer_ids",
+                 f"layer {s} has compress_ratio 0; a KV source must compress (ratio >= 1)")
+        for i in range(L):
+            if self.compress_ratios[i] > 0:
+                src = self.kv_source_of(i)
+                need(src is not None, "kv_source_layer_ids",
+                     f"layer {i} (ratio {self.compress_ratios[i]}) has no KV source at or below it")
+                need(self.compress_ratios[src] == self.compress_ratios[i], "compress_ratios",
+                     f"layer {i} has ratio {self.compress_ratios[i]} but its KV source {src} "
+                     f"has ratio {self.compress_ratios[src]}")
+        for s in self.index_source_layer_ids:
+            need(self.compress_ratios[s] > 0, "index_source_layer_ids",
+                 f"layer {s} has compress_ratio 0")
+        for i in range(L):
+            if self.compress_ratios[i] > 0 and self.index_topk > 0:
+                need(self.index_source_of(i) is not None, "index_source_layer_ids",
+                     f"layer {i} has no index source at or below it")
+                isrc = self.index_source_of(i)
+                need(self.kv_source_of(isrc) == self.kv_source_of(i), "index_source_layer_ids",
+                     f"layer {i} reuses indices of layer {isrc}, which scores another KV source")
+        c = self.candidate_source_layer_id
+        if c is not None:
+            need(c in self.kv_source_layer_ids, "candidate_source_layer_id",
+                 f"layer {c} is not a KV source ({self.kv_source_layer_ids})")
+            need(c in self.index_source_layer_ids, "candidate_source_layer_id",
+                 f"layer {c} is not an index source")
+            need(self.candidate_block_size > 0 and self.candidate_topk_blocks > 0,
+                 "candidate_block_size", "candidate_block_size and candidate_topk_blocks must be > 0")
+        d0 = self.decoder_start
+        for i in range(d0, L):
+            need(self.compress_ratios[i] == 1, "compress_ratios",
+                 f"decoder layer {i} (after global-KV source {d0}) must have ratio 1")
+        need(len([i for i in self.kv_source_layer_ids if self.compress_ratios[i] == 1]) <= 1,
+             "kv_source_layer_ids", "at most one ratio-1 (global KV) source is supported")
+        for e in self.engram_layer_ids:
+            need(e < d0, "engram_layer_ids",
+                 f"layer {e} is in the decoder (>= {d0}); decoder layers see only trailing tokens "
+                 "at prefill, so Engram must sit in the encoder")
+        need(len(self.engram_num_embeddings) == len(self.engram_layer_ids), "engram_num_embeddings",
+             f"has {len(self.engram_num_embeddings)} entries for "
+             f"{len(self.engram_layer_ids)} engram_layer_ids")
+        if self.engram_layer_ids:
+            need(self.engram_max_ngram_size >= 2, "engram_max_ngram_size", "must be >= 2")
+            need(self.engram_n_heads > 0 and self.engram_head_dim > 0, "engram_n_heads",
+                 "engram_n_heads and engram_head_dim must be positive")
+            need(self.engram_vocab_size >= 3, "engram_vocab_size", "must be >= 3")
+        need(len(self.dspark_target_layer_ids) in (0, self.num_nextn_predict_layers) or
+             self.num_nextn_predict_layers == 0, "dspark_target_layer_ids",
+             f"has {len(self.dspark_target_layer_ids)} entries for "
+             f"{self.num_nextn_predict_layers} num_nextn_predict_layers")
+        need(all(0 <= i < L for i in self.dspark_target_layer_ids), "dspark_target_layer_ids",
+             f"ids must be in [0, {L})")
+        # Byte formats: every quantized dim must be a multiple of its scale block.
+        from cedlm.quant import FORMATS
+        for fld, fmt, dim in (("head_dim", self.main_kv_format, self.head_dim),
+                              ("head_dim", self.window_kv_format, self.head_dim),
+                              ("index_head_dim", self.index_kv_format, self.index_head_dim)):
+            if fmt in FORMATS and dim % FORMATS[fmt].block != 0:
+                raise ConfigError(f"{fld}: {dim} is not a multiple of the {fmt} scale block "
+                                  f"({FORMATS[fmt].block})")
+        need(self.main_kv_format in ("kv_fp4", "v4_fp8", "window_fp8", "bf16", "none"),
+             "main_kv_format", f"unknown {self.main_kv_format!r}")
+
+    # ------------------------------------------------------------------ (de)serialisation
+    _TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id")
+    _CEDLM = ("family", "main_kv_format", "index_kv_format", "window_kv_format", "q_head_norm")
+
+    @classmethod
+    def _field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)} - {"extra"}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = copy.deepcopy(d)
+        mt = d.get("model_type", "")
+        if "text_config" in d:                      # official V4.1 (nested HF-style)
+            return cls._from_nested(d)
+        if mt == "deepseek_v4":
+            return cls._from_v4(d)
+        if mt in ("deepseek_v3", "deepseek_v32"):
+            return cls._from_flat(d, family="mla", known=(
+                "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "qk_rope_head_dim", "q_lora_rank", "kv_lora_rank",
+                "moe_intermediate_size", "intermediate_size", "n_routed_experts",
+                "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
+                "num_nextn_predict_layers", "bos_token_id", "eos_token_id", "max_position_embeddings",
+                "rms_norm_eps", "rope_theta", "routed_scaling_factor", "scoring_func",
+                "tie_word_embeddings", "model_type"),
+                extra_fix={"head_dim": d.get("qk_nope_head_dim", 128) + d.get("qk_rope_head_dim", 64)})
+        if mt == "llama" or "num_key_value_heads" in d and "compress_ratios" not in d:
+            hd = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+            return cls._from_flat(d, family="llama", known=(
+                "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "intermediate_size", "bos_token_id", "eos_token_id",
+                "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
+                "model_type", "head_dim"), extra_fix={"head_dim": hd})
+        if "compress_ratios" in d:                  # a flat cedlm/V4.1-style dict
+            return cls._from_flat_ced(d)
+        raise ConfigError(f"model_type: unsupported {mt!r} (expected deepseek_v41, deepseek_v4, "
+                          "deepseek_v3 or llama)")
+
+    @classmethod
+    def _from_nested(cls, d: dict) -> "ModelConfig":
+        tc = d.pop("text_config")
+        kw: dict[str, Any] = {}
+        names = cls._field_names()
+        extra: dict[str, Any] = {"top": {}, "text": {}}
+        for k, v in tc.items():
+            (kw.__setitem__(k, v) if k in names else extra["text"].__setitem__(k, v))
+        ced = d.pop("cedlm", {})
+        for k, v in d.items():
+            if k in cls._TOP_LEVEL:
+                kw[k] = v
+            else:
+                extra["top"][k] = v
+        extra["text_keys"] = list(tc.keys())
+        extra["top_keys"] = list(d.keys())
+        for k in cls._CEDLM:
+            if k in ced:
+                kw[k] = ced[k]
+        kw["family"] = ced.get("family", "ced")
+        return cls(**kw, extra=extra)
+
+    @classmethod
+    def _from_flat_ced(cls, d: dict) -> "ModelConfig":
+        names = cls._field_names()
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown config field")
+        return cls(**d)
+
+    @classmethod
+    def _from_flat(cls, d: dict, family: str, known: tuple, extra_fix: dict) -> "ModelConfig":
+        kw = {k: d[k] for k in known if k in d}
+        kw.update(extra_fix)
+        kw["family"] = family
+        return cls(**kw, extra={"flat": d})
+
+    @classmethod
+    def _from_v4(cls, d: dict) -> "ModelConfig":
+        """V4-Flash: every compressed layer owns its KV; ratio-4 (CSA) layers own index keys."""
+        names = cls._field_names()
+        kw = {k: v for k, v in d.items() if k in names}
+        L = d["num_hidden_layers"]
+        ratios = d["compress_ratios"]
+        kw["kv_source_layer_ids"] = [i for i in range(L) if ratios[i] > 0]
+        kw["index_source_layer_ids"] = [i for i in range(L) if 0 < ratios[i] <= 4]
+        kw["candidate_source_layer_id"] = None
+        kw["engram_layer_ids"], kw["engram_num_embeddings"] = [], []
+        kw["dspark_target_layer_ids"] = []
+        kw["family"] = "v4"
+        kw["main_kv_format"] = "v4_fp8"
+        kw["image_token_id"] = None
+        kw["model_type"] = "deepseek_v4"
+        # The V4 schedule lists one entry per MTP block after the main layers.
+        kw["num_nextn_predict_layers"] = len(ratios) - L
+        return cls(**kw, extra={"flat": d})
+
+    def to_dict(self) -> dict:
+        """The official nested schema (round-trips a file read by `from_json`)."""
+        if self.family != "ced":
+            return copy.deepcopy(self.extra["flat"])
+        vals = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        extra = self.extra or {}
+        top_keys = extra.get("top_keys") or ["architectures", "model_type", "dtype",
+                                              *self._TOP_LEVEL, "text_config"]
+        top_extra = extra.get("top", {"architectures": ["DeepseekV41ForCausalLM"],
+                                      "model_type": "deepseek_v41", "dtype": "bfloat16"})
+        text_fields = [f.name for f in dataclasses.fields(self)
+                       if f.name not in self._TOP_LEVEL and f.name not in self._CEDLM
+                       and f.name not in ("extra", "kv_lora_rank", "intermediate_size",
+                                          "first_k_dense_replace", "num_hash_layers")]
+        text_keys = extra.get("text_keys") or text_fields
+        text = {}
+        for k in text_keys:
+            text[k] = vals[k] if k in vals else extra.get("text", {}).get(k)
+        for k in text_fields:              # fields the source file did not list
+            text.setdefault(k, vals[k])
+        out: dict[str, Any] = {}
+        for k in top_keys:
+            if k == "text_config":
+                out[k] = text
+            elif k in self._TOP_LEVEL:
+                out[k] = vals[k]
+            else:
+                out[k] = top_extra.get(k)
+        out.setdefault("text_config", text)
+        for k, v in top_extra.items():
+            out.setdefault(k, v)
+        for k in self._TOP_LEVEL:
+            out.setdefault(k, vals[k])
+        ced = {k: vals[k] for k in self._CEDLM if vals[k] != getattr(ModelConfig, k, None)}
+        if ced:
+            out["cedlm"] = ced
+        return out
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config: no such file {path}") from None
+        return cls.from_dict(d)
+
+    def save_json(self, path: str | Path) -> None:
+        from cedlm.util import atomic_write_text
+        atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelConfig":
+        from cedlm.presets import PRESETS
+        if name not in PRESETS:
+            raise ConfigError(f"preset: unknown {name!r}; choose from {sorted(PRESETS)}")
+        return PRESETS[name]()

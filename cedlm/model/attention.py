@@ -1,0 +1,174 @@
+"""Attention of one layer: FP8 window + sparse compressed entries in one softmax with a sink.
+
+K and V are the same `head_dim` latent (one KV head). Queries: wq_a -> q_norm -> wq_b (+ an
+optional weightless per-head RMS norm, off for V4.1), RoPE on the last rope dims. Output:
+inverse RoPE on the rope dims at the query position, then the grouped low-rank projection
+(wo_a per group of heads, wo_b). Per-layer role (from the config): 'swa' (window only), 'full'
+(compressor + index keys + own top-k), 'reindex' (own indexer queries inside the candidate pool),
+'reuse' (KV and indices of the latest sources at or below it; owns no cache).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cedlm.config import ModelConfig
+from cedlm.model.compressor import Compressor
+from cedlm.model.indexer import NEG, Indexer, candidate_pool, topk_entries
+from cedlm.model.norm import RMSNorm, rms
+from cedlm.model.rope import Rope
+from cedlm.model.step import Step, fq
+
+
+def attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool):
+    """One softmax over [window keys || compressed keys] plus a per-head sink logit.
+
+    q [B,T,H,hd]; win_k [B,W,hd], win_valid [B,T,W]; sink [H].
+    dense=False: comp_k [B,T,k,hd] gathered per query, comp_valid [B,T,k].
+    dense=True (reference / training): comp_k [B,N,hd] all entries, comp_valid [B,T,N] top-k mask.
+    Returns [B, T, H, hd] fp32.
+    """
+    qf = q.float()
+    sw = torch.einsum("bthd,bwd->bhtw", qf, win_k.float()) * scale
+    sw = sw.masked_fill(~win_valid.unsqueeze(1), NEG)
+    parts = [sw]
+    if comp_k is not None:
+        eq = "bthd,bnd->bhtn" if dense else "bthd,btnd->bhtn"
+        sc = torch.einsum(eq, qf, comp_k.float()) * scale
+        parts.append(sc.masked_fill(~comp_valid.unsqueeze(1), NEG))
+    B, H, T = sw.shape[:3]
+    parts.append(sink.float().view(1, H, 1, 1).expand(B, H, T, 1))
+    p = torch.cat(parts, -1).softmax(-1)                     # the sink takes mass, adds no value
+    W = sw.shape[-1]
+    out = torch.einsum("bhtw,bwd->bthd", p[..., :W], win_k.float())
+    if comp_k is not None:
+        eq = "bhtn,bnd->bthd" if dense else "bhtn,btnd->bthd"
+        out = out + torch.einsum(eq, p[..., W:-1], comp_k.float())
+    return out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.H, self.hd, self.G = H, hd, cfg.o_groups
+        self.ratio = cfg.compress_ratios[layer_id]
+        self.role = cfg.role(layer_id)
+        self.src = cfg.kv_source_of(layer_id)
+        self.isrc = cfg.index_source_of(layer_id)
+        # Sparse selection only when the index source scores this layer's own KV source.
+        self.sparse = self.isrc is not None and cfg.kv_source_of(self.isrc) == self.src
+        self.is_global_source = layer_id == cfg.decoder_start
+        self.attn_sink = nn.Parameter(torch.zeros(H))
+        self.wq_a = nn.Linear(D, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, H * hd, bias=False)
+        self.wkv = nn.Linear(D, hd, bias=False)
+        self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.wo_a = nn.Linear(H * hd // self.G, self.G * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(self.G * cfg.o_lora_rank, D, bias=False)
+        if self.role == "full":
+            self.compressor = Compressor(cfg, self.ratio)
+        if layer_id in cfg.index_source_layer_ids:
+            self.indexer = Indexer(cfg, has_keys=layer_id in cfg.index_key_layer_ids)
+        theta = cfg.rope_theta_of(layer_id)
+        self.rope = Rope(cfg.qk_rope_head_dim, theta, cfg.rope_scaling if cfg.uses_yarn(layer_id) else None)
+        self.index_rope = Rope(min(cfg.qk_rope_head_dim, cfg.index_head_dim), theta,
+                               cfg.rope_scaling if cfg.uses_yarn(layer_id) else None)
+
+    # ---------------------------------------------------------------- KV production
+    def window_rows(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        kv = self.rope.apply(self.kv_norm(self.wkv(x)), pos)
+        return fq(kv, self.cfg.window_kv_format, self.training)
+
+    def compress(self, x: torch.Tensor, step: Step) -> None:
+        """Produce this source's new entries (main KV + index keys) into the step's caches."""
+        cfg = self.cfg
+        has_keys = self.layer_id in cfg.index_key_layer_ids
+        for b in range(x.shape[0]):
+            p0 = int(step.pos[b, 0])
+            st = step.states[b] if step.states is not None else None
+            pending = st.pending.get(self.layer_id) if st is not None else None
+            lat, starts, pend = self.compressor.forward_rows(x[b], p0, pending)
+            if st is not None and pend is not None:
+                st.pending[self.layer_id] = (pend[0].detach(), pend[1].detach())
+            kv = fq(self.rope.apply(lat, starts), cfg.main_kv_format, self.training)
+            idx = None
+            if has_keys:
+                idx = self.index_rope.apply(self.indexer.keys(lat), starts)
+                idx = fq(idx, cfg.index_kv_format, self.training)
+            step.add_entries(self.layer_id, b, kv, idx)
+
+    def write_global(self, x: torch.Tensor, step: Step) -> None:
+        """Encoder pass of the global-KV source: window rows and global entries for every token."""
+        kv = self.window_rows(x, step.pos)
+        step.window(self.layer_id, kv)
+        step.push_stash(kv)
+        self.compress(x, step)
+
+    # ---------------------------------------------------------------- selection
+    def select(self, qr, x, step: Step):
+        """Top-k entry indices for this layer's queries: (idx [B,T,k], valid [B,T,k])."""
+        cfg, pos = self.cfg, step.pos
+        keys_src = self.src
+        if self.role in ("full", "reindex"):
+            keys, ends = step.index_keys(keys_src)
+            visible = ends.unsqueeze(1) <= pos.unsqueeze(-1)                  # [B, T, N]
+            q, w = self.indexer.queries(qr, x)
+            q = fq(self.index_rope.apply(q, pos.unsqueeze(-1)), cfg.index_kv_format, self.training)
+            score = Indexer.score(q, w, keys, visible)
+            cand = cfg.candidate_source_layer_id
+            if self.layer_id == cand:
+                step.pool = candidate_pool(score, visible.sum(-1), cfg.candidate_block_size,
+                                           cfg.candidate_topk_blocks)
+            elif step.pool is not None and cand is not None and cfg.kv_source_of(cand) == keys_src:
+                score = score.masked_fill(~step.pool, NEG)
+            sel = topk_entries(score.detach(), cfg.index_topk)
+            step.topk[self.layer_id] = sel
+            self.last_index_score = score                   # for an indexer training loss
+            return sel
+        return step.topk[self.isrc]
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """x: normalised attention input [B, T, D] at positions step.pos -> [B, T, D]."""
+        cfg, pos = self.cfg, step.pos
+        B, T, _ = x.shape
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.H, self.hd))                    # [B, T, H, hd]
+        if cfg.q_head_norm:
+            q = rms(q, cfg.rms_norm_eps)
+        q = self.rope.apply(q, pos.unsqueeze(-1))
+        if self.is_global_source:                   # window rows were written in the encoder pass
+            win_k, win_pos = step.global_window(self.layer_id)
+        else:
+            win_k, win_pos = step.window(self.layer_id, self.window_rows(x, pos))
+            if self.role == "full":
+                self.compress(x, step)
+        qp, kp = pos.unsqueeze(-1), win_pos.unsqueeze(1)
+        win_valid = (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)    # [B, T, W]
+        comp_k = comp_valid = None
+        dense = step.states is None
+        if self.ratio > 0:
+            ends = step.entry_ends(self.src)
+            if self.sparse:
+                idx, valid = self.select(qr, x, step)
+            else:                                        # no indexer: every visible entry
+                N = ends.shape[1]
+                idx = torch.arange(N).expand(B, T, N)
+                valid = ends.unsqueeze(1) <= pos.unsqueeze(-1)
+            if dense:
+                comp_k = step.all_kv(self.src)
+                comp_valid = torch.zeros(B, T, comp_k.shape[1], dtype=torch.bool)
+                comp_valid.scatter_(-1, idx, valid)
+            else:
+                comp_k, comp_valid = step.gather_kv(self.src, idx), valid
+        o = attend(q, win_k, win_valid, comp_k, comp_valid, self.attn_sink,
+                   self.hd ** -0.5, dense=dense)
+        o = self.rope.apply(o, pos.unsqueeze(-1), inverse=True).to(x.dtype)
+        # Grouped output: heads split into G contiguous groups, each projected to o_lora_rank.
+        o = o.reshape(B, T, self.G, self.H // self.G * self.hd)                 # [B, T, G, H/G*hd]
+        wa = self.wo_a.weight.view(self.G, -1, o.shape[-1])                     # [G, r, H/G*hd]
+        o = torch.einsum("btgi,gri->btgr", o, wa).flatten(2)                    # [B, T, G*r]
+        return self.wo_b(o)

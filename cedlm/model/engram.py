@@ -1,0 +1,149 @@
+"""Engram: hashed n-gram memory added to the mHC copies before attention.
+
+For n = 2..max_ngram and each of `engram_n_heads` heads, the n-gram of compressed token ids
+ending at t is hashed (multiplicative-XOR with per-layer odd multipliers, then modulo a distinct
+prime per (n, head)); every bucket lives in one offset table of sum(primes) rows. The looked-up
+rows are concatenated ([(max_n-1)*heads*head_dim]) and projected by `wkv` to one key per mHC copy
+plus one shared value; copy j gets  h_j += sigmoid(signed_sqrt(<norm(key_j), norm(h_j)> / sqrt(D))) * value.
+Row indices depend only on token ids, so they are computed (and rows can be fetched from host
+memory or a memory-mapped table) before the layer runs: see `EngramHasher`.
+"""
+from __future__ import annotations
+
+import unicodedata
+
+import numpy as np
+import torch
+from torch import nn
+
+from cedlm.config import ModelConfig
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+    for p in small:
+        if n % p == 0:
+            return n == p
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in small:                       # deterministic Miller-Rabin for n < 3.3e24
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def engram_primes(layer_ids: list[int], vocab_size: int, max_ngram: int, n_heads: int
+                  ) -> dict[int, list[list[int]]]:
+    """Per layer, per n-gram order (2..max_ngram), per head: the modulus prime.
+
+    Primes ascend above `vocab_size - 1`, never reused across layers (a global seen set); this
+    reproduces the official row counts [384006168, 384016682] from engram_vocab_size 16,000,000.
+    """
+    seen: set[int] = set()
+    out: dict[int, list[list[int]]] = {}
+    for layer in layer_ids:
+        per_n = []
+        for _n in range(2, max_ngram + 1):
+            cur, heads = vocab_size - 1, []
+            for _h in range(n_heads):
+                c = cur + 1
+                while c in seen or not _is_prime(c):
+                    c += 1
+                seen.add(c)
+                heads.append(c)
+                cur = c
+            per_n.append(heads)
+        out[layer] = per_n
+    return out
+
+
+def engram_table_rows(layer_ids: list[int], vocab_size: int, max_ngram: int, n_heads: int) -> list[int]:
+    p = engram_primes(layer_ids, vocab_size, max_ngram, n_heads)
+    return [sum(sum(h) for h in p[layer]) for layer in layer_ids]
+
+
+def normalize_token_text(s: str) -> str:
+    """The compressed-tokenizer normalisation: NFKC, NFD, strip accents, lowercase, fold spaces."""
+    s = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", s))
+    s = "".join(ch for ch in s if unicodedata.category(ch) != "Mn").lower()
+    return " ".join(s.split()) if s.strip() else (" " if s else s)
+
+
+def build_token_map(token_texts: list[str]) -> tuple[torch.Tensor, int]:
+    """Map token ids to compressed ids: tokens whose normalised text is equal share an id."""
+    ids: dict[str, int] = {}
+    out = [ids.setdefault(normalize_token_text(t), len(ids)) for t in token_texts]
+    return torch.tensor(out, dtype=torch.int64), len(ids)
+
+
+class EngramHasher:
+    """Token ids (with history) -> table row indices. Pure integer arithmetic, no parameters."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        self.max_n, self.n_heads = cfg.engram_max_ngram_size, cfg.engram_n_heads
+        primes = engram_primes(cfg.engram_layer_ids, cfg.engram_vocab_size, self.max_n, self.n_heads)
+        flat = [p for per_n in primes[layer_id] for p in per_n]           # order: n, then head
+        self.primes = torch.tensor(flat, dtype=torch.int64)
+        self.offsets = torch.tensor([0] + list(np.cumsum(flat)[:-1]), dtype=torch.int64)
+        # Odd multipliers per look-back shift, seeded 10007 * layer_id, bounded so that
+        # compressed_id * multiplier fits in int64 (as vLLM's deepseek_v41 engram.py does).
+        rng = np.random.default_rng(10007 * layer_id)
+        half = (np.iinfo(np.int64).max // cfg.engram_compressed_vocab_size) // 2
+        self.mult = torch.tensor(rng.integers(0, half, size=self.max_n) * 2 + 1, dtype=torch.int64)
+
+    def rows(self, cids: torch.Tensor, history: int) -> torch.Tensor:
+        """cids: [B, history + T] compressed ids (history = max_n - 1 leading ids, padded);
+        returns [B, T, (max_n-1)*heads] global row indices."""
+        T = cids.shape[1] - history
+        out = []
+        mix = cids[:, history:] * self.mult[0]
+        for n in range(2, self.max_n + 1):
+            k = n - 1                                           # position t-k in the n-gram
+            prev = cids[:, history - k: history - k + T]
+            mix = torch.bitwise_xor(mix, prev * self.mult[k])
+            out.append(mix.unsqueeze(-1).expand(*mix.shape, self.n_heads))
+        h = torch.cat(out, dim=-1)                              # [B, T, (max_n-1)*heads]
+        return h % self.primes + self.offsets
+
+
+class Engram(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        i = cfg.engram_layer_ids.index(layer_id)
+        D, n = cfg.hidden_size, cfg.hc_mult
+        self.D, self.n, self.eps = D, n, cfg.rms_norm_eps
+        self.hasher = EngramHasher(cfg, layer_id)
+        n_buckets = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+        self.embed = nn.Embedding(cfg.engram_num_embeddings[i], cfg.engram_head_dim)
+        self.wkv = nn.Linear(n_buckets * cfg.engram_head_dim, D * (n + 1), bias=False)
+        self.q_weight = nn.Parameter(torch.ones(n, D))     # RMSNorm weights of the copies h_j
+        self.k_weight = nn.Parameter(torch.ones(n, D))     # RMSNorm weights of the keys
+        nn.init.normal_(self.embed.weight, std=cfg.initializer_range)
+        nn.init.normal_(self.wkv.weight, std=cfg.initializer_range)
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [B, T, buckets] -> concatenated embeddings [B, T, buckets * head_dim]."""
+        return self.embed(rows).flatten(-2)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """x: mHC copies [B, T, n, D]; emb: looked-up rows [B, T, buckets*head_dim]."""
+        kv = self.wkv(emb).unflatten(-1, (self.n + 1, self.D)).float()     # [B, T, n+1, D]
+        key, value = kv[..., : self.n, :], kv[..., self.n, :]
+        xf = x.float()
+
+        def norm(t, w):
+            return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + self.eps) * w.float()
+
+        dot = (norm(key, self.k_weight) * norm(xf, self.q_weight)).sum(-1) / self.D ** 0.5
+        gate = torch.sigmoid(dot.sign() * dot.abs().clamp_min(1e-6).sqrt())   # [B, T, n]
+        return (xf + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(x.dtype)

@@ -1,0 +1,102 @@
+"""MoE: sqrtsoftplus router with a selection-only bias (aux-loss-free balancing), a shared expert,
+clamped SwiGLU experts, normalised top-k weights times `routed_scaling_factor`."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cedlm.config import ModelConfig
+
+
+class Expert(nn.Module):
+    """SwiGLU with clamp: gate clamped above at `limit`, up clamped to [-limit, limit]."""
+
+    def __init__(self, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(dim, inter, bias=False)
+        self.w2 = nn.Linear(inter, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w1(x), self.w3(x)
+        if self.limit:
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(-self.limit, self.limit)
+        return self.w2(F.silu(gate) * up)
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: ModelConfig, n_experts: int, topk: int):
+        super().__init__()
+        self.topk, self.func = topk, cfg.scoring_func
+        self.norm, self.route_scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(n_experts, cfg.hidden_size))
+        # Selection bias: shifts which experts are chosen, never the weights. Updated from load.
+        self.register_buffer("bias", torch.zeros(n_experts))
+        self.register_buffer("bias_vl", torch.zeros(n_experts))   # image-span tokens (vision)
+        nn.init.normal_(self.weight, std=cfg.initializer_range)
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        logits = x.float() @ self.weight.float().t()
+        if self.func == "sqrtsoftplus":
+            return F.softplus(logits).sqrt()
+        if self.func == "sigmoid":
+            return logits.sigmoid()
+        return logits.softmax(-1)
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
+        """x [N, D] -> (weights [N, k] fp32, expert ids [N, k])."""
+        s = self.scores(x)
+        bias = self.bias if image_mask is None else torch.where(
+            image_mask[:, None], self.bias_vl, self.bias)
+        ids = (s + bias).topk(self.topk, dim=-1).indices
+        w = s.gather(-1, ids)
+        if self.norm:
+            w = w / w.sum(-1, keepdim=True)
+        return w * self.route_scale, ids
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float) -> None:
+        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded."""
+        self.bias += rate * torch.sign(load.float().mean() - load.float())
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, n_experts: int | None = None, topk: int | None = None):
+        super().__init__()
+        n_experts = n_experts or cfg.n_routed_experts
+        D, I, lim = cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit
+        self.gate = Gate(cfg, n_experts, topk or cfg.num_experts_per_tok)
+        self.experts = nn.ModuleList(Expert(D, I, lim) for _ in range(n_experts))
+        self.shared_experts = Expert(D, I * cfg.n_shared_experts, lim) if cfg.n_shared_experts else None
+        self.register_buffer("load", torch.zeros(n_experts), persistent=False)  # tokens per expert
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])                                   # [N, D]
+        w, ids = self.gate(x)
+        out = torch.zeros_like(x, dtype=torch.float32)
+        counts = torch.bincount(ids.flatten(), minlength=len(self.experts))
+        if self.training:
+            self.load += counts.to(self.load.dtype)
+        for e in torch.nonzero(counts).flatten().tolist():            # grouped by expert
+            tok, slot = torch.where(ids == e)
+            y = self.experts[e](x[tok])
+            out.index_add_(0, tok, y.float() * w[tok, slot, None])
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x).float()
+        return out.to(x.dtype).reshape(shape)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """Dense reference: every expert on every token, combined by the routing weights."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        w, ids = self.gate(x)
+        dense = torch.zeros(x.shape[0], len(self.experts))
+        dense.scatter_(1, ids, w)
+        out = sum(dense[:, e:e + 1] * self.experts[e](x).float() for e in range(len(self.experts)))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x).float()
+        return out.to(x.dtype).reshape(shape)

@@ -1,0 +1,74 @@
+"""Named configurations: the official reference configs and small runnable presets.
+
+The small presets keep the official V4.1 structure scaled down: SWA-only layers first, an
+encoder of CSA2 ratio-2 groups each headed by a Full layer and followed by Reuse layers, a decoder
+whose first layer is the ratio-1 global-KV source and the candidate source, then Reindex and
+Reuse layers; Engram layers, mHC, MoE with a shared expert, DSpark schedule entries.
+"""
+from __future__ import annotations
+
+from cedlm.config import CONFIG_DIR, ModelConfig
+from cedlm.model.engram import engram_table_rows
+
+
+def _official(name: str):
+    return lambda: ModelConfig.from_json(CONFIG_DIR / f"{name}.config.json")
+
+
+def _scaled(**kw) -> ModelConfig:
+    """A scaled-down V4.1: Engram row counts derived exactly as the official ones are."""
+    engram_layers = kw["engram_layer_ids"]
+    kw["engram_num_embeddings"] = engram_table_rows(
+        engram_layers, kw["engram_vocab_size"], kw["engram_max_ngram_size"], kw["engram_n_heads"])
+    kw.setdefault("rope_scaling", {"rope_type": "yarn", "factor": 16, "beta_fast": 32,
+                                   "beta_slow": 1, "original_max_position_embeddings": 4096})
+    kw.setdefault("max_position_embeddings", 65536)
+    return ModelConfig(**kw)
+
+
+def tiny() -> ModelConfig:
+    """< 1M parameters, for tests. 10 layers: swa, swa+engram, enc 2 groups, dec 4 layers."""
+    return _scaled(
+        vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=10,
+        num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_lora_rank=32,
+        o_groups=2, rms_norm_eps=1e-6, n_routed_experts=4, num_experts_per_tok=2,
+        sliding_window=8,
+        compress_ratios=[0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 0],
+        kv_source_layer_ids=[2, 4, 6], index_source_layer_ids=[2, 4, 6, 8],
+        index_n_heads=2, index_head_dim=32, index_topk=4,
+        candidate_source_layer_id=6, candidate_topk_blocks=3, candidate_block_size=2,
+        hc_mult=2, engram_layer_ids=[1, 4], engram_max_ngram_size=3, engram_vocab_size=53,
+        engram_n_heads=2, engram_head_dim=8, engram_compressed_vocab_size=512,
+        num_nextn_predict_layers=1, dspark_block_size=3, dspark_noise_token_id=511,
+        dspark_target_layer_ids=[9], dspark_markov_rank=8, dspark_n_routed_experts=4,
+        dspark_num_experts_per_tok=2, image_token_id=None, max_position_embeddings=4096,
+        rope_scaling={"rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
+                      "original_max_position_embeddings": 1024})
+
+
+def small() -> ModelConfig:
+    """10-30M parameters: the default trained model's shape (12 layers, width 256)."""
+    return _scaled(
+        vocab_size=4096, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=12,
+        num_attention_heads=4, head_dim=128, qk_rope_head_dim=32, q_lora_rank=128,
+        o_lora_rank=128, o_groups=2, rms_norm_eps=1e-6, n_routed_experts=8,
+        num_experts_per_tok=2, sliding_window=64,
+        compress_ratios=[0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 0],
+        kv_source_layer_ids=[2, 4, 6], index_source_layer_ids=[2, 4, 6, 8, 10],
+        index_n_heads=4, index_head_dim=64, index_topk=64,
+        candidate_source_layer_id=6, candidate_topk_blocks=32, candidate_block_size=8,
+        hc_mult=4, engram_layer_ids=[1, 4], engram_max_ngram_size=3, engram_vocab_size=10007,
+        engram_n_heads=4, engram_head_dim=32, engram_compressed_vocab_size=4096,
+        num_nextn_predict_layers=1, dspark_block_size=5, dspark_noise_token_id=4095,
+        dspark_target_layer_ids=[11], dspark_markov_rank=32, dspark_n_routed_experts=8,
+        dspark_num_experts_per_tok=2, image_token_id=None)
+
+
+PRESETS = {
+    "tiny": tiny,
+    "small": small,
+    "deepseek-v4.1-flash": _official("deepseek-v4.1-flash"),
+    "deepseek-v4-flash": _official("deepseek-v4-flash"),
+    "deepseek-v3": _official("deepseek-v3"),
+    "deepseek-llm-67b": _official("deepseek-llm-67b"),
+}
