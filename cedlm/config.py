@@ -245,13 +245,13 @@ class ModelConfig:
         for s in self.index_source_layer_ids:
             need(self.compress_ratios[s] > 0, "index_source_layer_ids",
                  f"layer {s} has compress_ratio 0")
-        for i in range(L):
-            if self.compress_ratios[i] > 0 and self.index_topk > 0:
-                need(self.index_source_of(i) is not None, "index_source_layer_ids",
-                     f"layer {i} has no index source at or below it")
-                isrc = self.index_source_of(i)
-                need(self.kv_source_of(isrc) == self.kv_source_of(i), "index_source_layer_ids",
-                     f"layer {i} reuses indices of layer {isrc}, which scores another KV source")
+        for s in self.index_source_layer_ids:
+            if s not in self.kv_source_layer_ids:        # a Reindex layer scores its source's keys
+                need(self.kv_source_of(s) in self.index_source_layer_ids, "index_source_layer_ids",
+                     f"Reindex layer {s} needs index keys, but its KV source "
+                     f"{self.kv_source_of(s)} is not an index source")
+        # A compressed layer whose latest index source scores another KV source (V4's HCA
+        # layers) attends to every visible entry of its own source instead.
         c = self.candidate_source_layer_id
         if c is not None:
             need(c in self.kv_source_layer_ids, "candidate_source_layer_id",
@@ -335,6 +335,7 @@ class ModelConfig:
 
     @classmethod
     def _from_nested(cls, d: dict) -> "ModelConfig":
+        top_keys = [k for k in d if k != "cedlm"]
         tc = d.pop("text_config")
         kw: dict[str, Any] = {}
         names = cls._field_names()
@@ -348,7 +349,7 @@ class ModelConfig:
             else:
                 extra["top"][k] = v
         extra["text_keys"] = list(tc.keys())
-        extra["top_keys"] = list(d.keys())
+        extra["top_keys"] = top_keys
         for k in cls._CEDLM:
             if k in ced:
                 kw[k] = ced[k]

@@ -1,0 +1,42 @@
+"""`cedlm` command line: each sub-command lives beside its subsystem and registers itself here."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (module, attribute) of each `add_parser(subparsers)` hook; optional ones may be absent.
+COMMANDS = [
+    ("cedlm.plan", "add_parser"),
+    ("cedlm.data.cli", "add_parser"),
+    ("cedlm.train.cli", "add_parser"),
+    ("cedlm.eval.cli", "add_parser"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cedlm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for mod, attr in COMMANDS:
+        try:
+            hook = getattr(importlib.import_module(mod), attr)
+        except ModuleNotFoundError as e:
+            if e.name == mod:          # that subsystem is not part of this build
+                continue
+            raise
+        hook(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    rc = args.func(args)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

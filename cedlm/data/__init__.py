@@ -1,0 +1,1 @@
+"""Training corpus: registry sources, cleaning, deterministic split, manifest (see corpus.py)."""
