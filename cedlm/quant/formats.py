@@ -1,0 +1,203 @@
+"""The three byte-exact KV entry formats of DeepSeek-V4.1 (see reference/kv-layouts.md).
+
+| name         | elements                      | scales                     | 512/128 dims |
+|--------------|-------------------------------|----------------------------|--------------|
+| ``kv_fp4``     | E2M1, 2 per byte (even = low) | one E4M3 per 16 dims       | 256+32 = 288 |
+| ``index_fp4``  | E2M1, 2 per byte (even = low) | one UE8M0 per 32 dims      | 64+4 = 68    |
+| ``window_fp8`` | E4M3, 1 per byte              | one UE8M0 per 32 dims      | 512+16 = 528 |
+
+An entry is ``[packed elements][scale bytes]``, contiguous. Any ``dim`` that is a positive multiple
+of the format's block works (the official sizes are 512, 128, 512).
+
+Scale rules, per tile of ``block`` dims with amax = max |x|:
+
+* ``kv_fp4``: s = E4M3_RNE(clamp(amax/6, 2^-9, 448)) (clamp first: rounded to NEAREST, so |x/s|
+  may slightly exceed 6 and saturates). A NaN in the tile gives s = NaN (0x7F). An inf (no NaN)
+  follows the official rule literally: amax/6 = inf clamps to 448, inf -> +-6, the rest -> ~0.
+* ``index_fp4``: s = 2^ceil(log2(max(amax, 6*2^-126)/6)) as UE8M0 (so |x/s| <= 6, no saturation).
+* ``window_fp8``: the reference-model (QAT, ``act_quant`` with ue8m0) rule
+  s = 2^ceil(log2(fp32(max(amax, 1e-4) * fp32(1/448)))), q = E4M3_RNE(clamp(x/s, -448, 448)).
+  The FlashMLA test quantizer instead floors amax/448 (not amax) at 1e-4; the two agree for
+  amax >= 0.0448 and differ only for tiny tiles (reference s = 2^-22, FlashMLA test s = 2^-13).
+* UE8M0 formats: a NaN OR an inf in the tile gives scale byte 255 (NaN); the bit-exact ceil rule
+  maps both to 255, so an inf poisons the tile like a NaN (decodes to all-NaN).
+
+Elements are quantized from t = x/s in float32. In a NaN-scale ("poisoned") tile t is NaN; E2M1
+then stores code 0 with the sign of x, E4M3 stores NaN (0x7F on x86 and CUDA, where x/NaN yields
+the NaN divisor). Either way the whole tile decodes to NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .numerics import (
+    E4M3_MAX,
+    E4M3_MIN_SUBNORMAL,
+    E4M3_NAN,
+    e2m1_decode,
+    e2m1_encode,
+    e2m1_round,
+    e4m3_decode,
+    e4m3_encode,
+    e4m3_round,
+    pack_nibbles,
+    ue8m0_ceil,
+    ue8m0_decode,
+    unpack_nibbles,
+)
+
+__all__ = ["QuantFormat", "FORMATS", "get_format", "bytes_per_entry", "encode", "decode",
+           "quant_dequant"]
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """Static description of one entry format."""
+
+    name: str
+    element: str      # "e2m1" (4 bits, packed two per byte) or "e4m3" (one byte)
+    scale: str        # "e4m3" or "ue8m0", one byte per block
+    block: int        # dims per scale
+    default_dim: int  # the official V4.1 entry width
+
+    @property
+    def element_bits(self) -> int:
+        return 4 if self.element == "e2m1" else 8
+
+    def check_dim(self, dim: int) -> int:
+        if not isinstance(dim, int) or dim <= 0 or dim % self.block != 0:
+            raise ValueError(f"{self.name}: dim {dim} is not a positive multiple of the block "
+                             f"{self.block}")
+        return dim
+
+    def data_bytes(self, dim: int) -> int:
+        return self.check_dim(dim) * self.element_bits // 8
+
+    def scale_bytes(self, dim: int) -> int:
+        return self.check_dim(dim) // self.block
+
+    def bytes_per_entry(self, dim: int | None = None) -> int:
+        dim = self.default_dim if dim is None else dim
+        return self.data_bytes(dim) + self.scale_bytes(dim)
+
+
+FORMATS: dict[str, QuantFormat] = {
+    "kv_fp4": QuantFormat("kv_fp4", element="e2m1", scale="e4m3", block=16, default_dim=512),
+    "index_fp4": QuantFormat("index_fp4", element="e2m1", scale="ue8m0", block=32, default_dim=128),
+    "window_fp8": QuantFormat("window_fp8", element="e4m3", scale="ue8m0", block=32,
+                              default_dim=512),
+}
+
+_FP4_MIN_SCALE = E4M3_MIN_SUBNORMAL          # 2^-9, kv_fp4 clamp floor of amax/6
+_INDEX_AMAX_FLOOR = 6.0 * 2.0 ** -126        # exact in float32
+_WINDOW_AMAX_FLOOR = 1e-4                    # compared in float32 (torch casts the scalar)
+
+
+def get_format(fmt: str | QuantFormat) -> QuantFormat:
+    if isinstance(fmt, QuantFormat):
+        return fmt
+    try:
+        return FORMATS[fmt]
+    except KeyError:
+        raise ValueError(f"unknown KV format {fmt!r}; known: {sorted(FORMATS)}") from None
+
+
+def bytes_per_entry(fmt: str | QuantFormat, dim: int) -> int:
+    """Bytes of one encoded entry of ``dim`` values (288 for kv_fp4/512, 68 for index_fp4/128,
+    528 for window_fp8/512)."""
+    return get_format(fmt).bytes_per_entry(dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# scales
+# ---------------------------------------------------------------------------------------------
+
+def _tiles(x: torch.Tensor, f: QuantFormat) -> torch.Tensor:
+    """float [..., dim] -> float32 [..., dim/block, block] (checks dim; detached: the codecs are
+    not differentiable, ``fake_quant`` supplies the straight-through gradient)."""
+    dim = f.check_dim(x.shape[-1]) if x.dim() > 0 else f.check_dim(0)
+    x = x.detach().to(torch.float32)
+    return x.reshape(*x.shape[:-1], dim // f.block, f.block)
+
+
+def _scale_bytes(xt: torch.Tensor, f: QuantFormat) -> torch.Tensor:
+    """float32 tiles [..., T, block] -> uint8 scale bytes [..., T]."""
+    amax = xt.abs().amax(dim=-1)  # NaN propagates
+    if f.name == "kv_fp4":
+        y = (amax / 6.0).clamp_(_FP4_MIN_SCALE, E4M3_MAX)
+        sb = e4m3_encode(y)
+        # A NaN poisons the tile; force the canonical positive NaN byte.
+        return torch.where(torch.isnan(amax), E4M3_NAN, sb).to(torch.uint8)
+    if f.name == "index_fp4":
+        return ue8m0_ceil(amax.clamp_min_(_INDEX_AMAX_FLOOR) / 6.0)
+    if f.name == "window_fp8":
+        # Multiply by fp32(1/448) as the reference kernel does. (Checked exhaustively over a
+        # binade: the ceil never differs from that of the correctly rounded amax/448.)
+        inv448 = torch.tensor(1.0 / 448.0, dtype=torch.float32, device=xt.device)
+        return ue8m0_ceil(amax.clamp_min_(_WINDOW_AMAX_FLOOR) * inv448)
+    raise AssertionError(f.name)
+
+
+def _scale_values(sb: torch.Tensor, f: QuantFormat) -> torch.Tensor:
+    """uint8 scale bytes [..., T] -> float32 [..., T, 1] (broadcast over a tile)."""
+    s = e4m3_decode(sb) if f.scale == "e4m3" else ue8m0_decode(sb)
+    return s.unsqueeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# encode / decode / quant_dequant
+# ---------------------------------------------------------------------------------------------
+
+def encode(x: torch.Tensor, fmt: str | QuantFormat) -> torch.Tensor:
+    """float [..., dim] -> uint8 [..., bytes_per_entry(fmt, dim)], layout [elements][scales]."""
+    f = get_format(fmt)
+    xt = _tiles(x, f)
+    sb = _scale_bytes(xt, f)
+    t = xt / _scale_values(sb, f)
+    flat = (*xt.shape[:-2], xt.shape[-2] * f.block)
+    if f.element == "e2m1":
+        data = pack_nibbles(e2m1_encode(t, xt, inplace=True).reshape(flat))
+    else:
+        data = e4m3_encode(t, inplace=True).reshape(flat)
+    return torch.cat((data, sb), dim=-1)
+
+
+def decode(b: torch.Tensor, fmt: str | QuantFormat, dim: int) -> torch.Tensor:
+    """uint8 [..., bytes_per_entry(fmt, dim)] -> float32 [..., dim]."""
+    f = get_format(fmt)
+    nbytes = f.bytes_per_entry(dim)
+    if b.dtype != torch.uint8:
+        raise ValueError(f"{f.name}: decode expects torch.uint8 bytes, got {b.dtype}")
+    if b.dim() == 0 or b.shape[-1] != nbytes:
+        raise ValueError(f"{f.name}: an entry of dim {dim} has {nbytes} bytes, got shape "
+                         f"{tuple(b.shape)}")
+    nd = f.data_bytes(dim)
+    lead = b.shape[:-1]
+    data, sb = b[..., :nd], b[..., nd:]
+    if f.element == "e2m1":
+        q = e2m1_decode(unpack_nibbles(data))
+    else:
+        q = e4m3_decode(data)
+    q = q.reshape(*lead, dim // f.block, f.block)
+    return q.mul_(_scale_values(sb, f)).reshape(*lead, dim)
+
+
+def quant_dequant(x: torch.Tensor, fmt: str | QuantFormat | None) -> torch.Tensor:
+    """Bitwise equal to ``decode(encode(x, fmt), fmt, dim)`` (float32), without packing bytes.
+
+    ``fmt`` None or "none" is the identity (returns ``x`` unchanged, any dtype).
+    """
+    if fmt is None or fmt == "none":
+        return x
+    f = get_format(fmt)
+    xt = _tiles(x, f)
+    s = _scale_values(_scale_bytes(xt, f), f)
+    t = xt / s
+    if f.element == "e2m1":
+        q = e2m1_round(t, xt, inplace=True)
+    else:
+        q = e4m3_round(t, inplace=True)
+    return q.mul_(s).reshape(x.shape)
