@@ -105,7 +105,8 @@ class Attention(nn.Module):
         kv = self.window_rows(x, step.pos)
         step.window(self.layer_id, kv)
         step.push_stash(kv)
-        self.compress(x, step)
+        if not step.replay:
+            self.compress(x, step)
 
     # ---------------------------------------------------------------- selection
     def select(self, qr, x, step: Step):
@@ -144,7 +145,7 @@ class Attention(nn.Module):
             win_k, win_pos = step.global_window(self.layer_id)
         else:
             win_k, win_pos = step.window(self.layer_id, self.window_rows(x, pos))
-            if self.role == "full":
+            if self.role == "full" and not step.replay:
                 self.compress(x, step)
         qp, kp = pos.unsqueeze(-1), win_pos.unsqueeze(1)
         win_valid = (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)    # [B, T, W]

@@ -152,32 +152,70 @@ class CEDModel(nn.Module):
         """Append a prompt (1-D token ids) to `state`; returns logits [M, vocab] of the rows the
         decoder ran on (the last row predicts the next token). The encoder sees every token
         (in chunks of `chunk_size`); the decoder sees the trailing M rows (by `mode`)."""
+        it = self.prefill_steps(input_ids, state, mode, chunk_size)
+        while True:
+            try:
+                next(it)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_steps(self, input_ids, state: SequenceState, mode: str = "full",
+                      chunk_size: int | None = None):
+        """Generator form of `prefill`: yields the number of encoder tokens after each chunk, so a
+        scheduler can interleave a long prompt with other work; returns the logits."""
         ids = torch.as_tensor(input_ids, dtype=torch.int64).flatten()
         S = ids.numel()
         if S == 0:
             raise ValueError("input_ids: empty prompt")
+        if chunk_size is not None and chunk_size <= 0:
+            raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
         M = self.decoder_rows(S, mode)
         p0 = state.num_tokens
         step = Step(self.cfg, ids[None], [state])
         step.stash_from = p0 + S - M - self.cfg.sliding_window + 1
         xs, pres = [], []
         chunk = chunk_size or S
-        for c0 in range(0, S, chunk):
-            part = ids[c0: c0 + chunk][None]
-            x, pre = self._encode_chunk(part, state, step)
-            keep = min(part.shape[1], max(0, c0 + part.shape[1] - (S - M)))   # rows in the tail
-            if keep:
-                xs.append(x[:, -keep:]), pres.append(pre[:, -keep:])
-        pos = torch.arange(p0 + S - M, p0 + S)[None]
-        return self.decoder_pass(torch.cat(xs, 1), torch.cat(pres, 1), pos, step)[0]
+        with torch.no_grad():
+            for c0 in range(0, S, chunk):
+                part = ids[c0: c0 + chunk][None]
+                T = part.shape[1]
+                pos = torch.arange(state.num_tokens, state.num_tokens + T)[None]
+                state.token_ids.extend(part[0].tolist())
+                x, pre = self.encoder_pass(part, pos, step)
+                state.num_tokens += T
+                keep = min(T, max(0, c0 + T - (S - M)))          # rows of this chunk in the tail
+                if keep:
+                    xs.append(x[:, -keep:]), pres.append(pre[:, -keep:])
+                if c0 + T < S:
+                    yield c0 + T
+            pos = torch.arange(p0 + S - M, p0 + S)[None]
+            return self.decoder_pass(torch.cat(xs, 1), torch.cat(pres, 1), pos, step)[0]
 
-    def _encode_chunk(self, ids: torch.Tensor, state: SequenceState, step: Step):
-        T = ids.shape[1]
-        pos = torch.arange(state.num_tokens, state.num_tokens + T)[None]
-        state.token_ids.extend(ids[0].tolist())
+    def replay_tokens(self, mode: str) -> int:
+        """Tokens to replay to rebuild every window: n_win (bounded) or L * (n_win - 1) + 1
+        (exact: the receptive field of L stacked windows)."""
+        if mode == "bounded":
+            return self.cfg.sliding_window
+        if mode == "exact":
+            return self.cfg.n_layers * (self.cfg.sliding_window - 1) + 1
+        raise ValueError(f"replay mode: {mode!r} is not 'exact' or 'bounded'")
+
+    @torch.no_grad()
+    def replay(self, state: SequenceState, mode: str = "exact") -> torch.Tensor:
+        """Rebuild the window rings of a state restored from global KV + token ids (windows are
+        never persisted) by re-running its last tokens through every layer; the global entries
+        already exist and are not written again. Returns the next-token logits [vocab]."""
+        P = state.num_tokens
+        if P == 0:
+            raise ValueError("replay: the state holds no tokens")
+        R = min(P, self.replay_tokens(mode))
+        ids = torch.tensor(state.token_ids[P - R: P])[None]
+        pos = torch.arange(P - R, P)[None]
+        step = Step(self.cfg, ids, [state])
+        step.replay = True
+        step.stash_from = P - R - self.cfg.sliding_window + 1
         x, pre = self.encoder_pass(ids, pos, step)
-        state.num_tokens += T
-        return x, pre
+        return self.decoder_pass(x, pre, pos, step)[0, -1]
 
     @torch.no_grad()
     def decode(self, input_ids, states: list[SequenceState]) -> torch.Tensor:

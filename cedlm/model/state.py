@@ -38,6 +38,10 @@ class ByteRows:
     def view(self) -> torch.Tensor:
         return self.buf[: self.n]
 
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows at entry indices idx [...] -> [..., width] (indices must be < n)."""
+        return self.buf[idx]
+
     def truncate(self, n: int) -> None:
         self.n = min(self.n, n)
 
@@ -51,7 +55,10 @@ class ByteRows:
 
 
 class SequenceState:
-    def __init__(self, cfg: ModelConfig):
+    """`rows(kind, src, width)` makes the store of one kind ("kv" or "idx") of one source layer:
+    contiguous `ByteRows` by default, or the engine's paged rows (cedlm.cache.block_pool)."""
+
+    def __init__(self, cfg: ModelConfig, rows=None):
         self.cfg = cfg
         hd, win = cfg.head_dim, cfg.sliding_window
         self.num_tokens = 0                       # positions 0..num_tokens-1 seen by the encoder
@@ -60,8 +67,9 @@ class SequenceState:
         wb = bytes_per_entry(self.win_fmt, hd)
         self.window = {l: torch.zeros(win, wb, dtype=torch.uint8) for l in range(cfg.n_layers)}
         self.window_pos = {l: torch.full((win,), -1, dtype=torch.int64) for l in range(cfg.n_layers)}
-        self.kv = {s: ByteRows(bytes_per_entry(self.main_fmt, hd)) for s in cfg.kv_source_layer_ids}
-        self.index = {s: ByteRows(bytes_per_entry(self.idx_fmt, cfg.index_head_dim))
+        rows = rows or (lambda kind, src, width: ByteRows(width))
+        self.kv = {s: rows("kv", s, bytes_per_entry(self.main_fmt, hd)) for s in cfg.kv_source_layer_ids}
+        self.index = {s: rows("idx", s, bytes_per_entry(self.idx_fmt, cfg.index_head_dim))
                       for s in cfg.index_key_layer_ids}
         # Incomplete compressor group: fp32 [k, head_dim] projections and gate logits.
         self.pending = {s: (torch.zeros(0, hd), torch.zeros(0, hd))

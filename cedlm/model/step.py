@@ -21,6 +21,7 @@ class Step:
     def __init__(self, cfg: ModelConfig, token_ids: torch.Tensor, states=None):
         self.cfg = cfg
         self.states = states                      # list[SequenceState] | None
+        self.replay = False                        # rebuilding windows: entries already exist
         self.B = token_ids.shape[0]
         self.pos: torch.Tensor | None = None      # [B, T] positions of the current pass
         self.topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -151,8 +152,12 @@ class Step:
         if self.states is None:
             kv = self.all_kv(src)
             return kv[torch.arange(B)[:, None, None], idx]
-        raw = self.kv_bytes(src)[torch.arange(B)[:, None, None], idx]     # [B, T, k, nbytes]
-        return decode(raw, self.cfg.main_kv_format, self.cfg.head_dim)
+        raw = []
+        for b, st in enumerate(self.states):
+            rows = st.kv[src]
+            raw.append(rows.gather(idx[b].clamp(0, max(rows.n - 1, 0))) if rows.n else
+                       torch.zeros(T, k, rows.width, dtype=torch.uint8))
+        return decode(torch.stack(raw), self.cfg.main_kv_format, self.cfg.head_dim)
 
 
 def fq(x: torch.Tensor, fmt: str, training: bool) -> torch.Tensor:
