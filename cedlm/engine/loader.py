@@ -1,0 +1,58 @@
+"""Resolve `model=` to (CEDModel, tokenizer): a checkpoint directory, a preset name (random
+weights, seeded), a CEDModel instance, or None for the shipped default model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cedlm.config import ConfigError, ModelConfig
+from cedlm.model import CEDModel
+from cedlm.presets import PRESETS
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+DEFAULT_MODEL = ASSETS / "model"
+# Presets above this many parameters are for accounting (cedlm plan), not for building here.
+MAX_BUILD_PARAMS = 2_000_000_000
+
+
+def tokenizer_for_vocab(vocab_size: int):
+    """The shipped tokenizer whose vocabulary matches a preset (None: token ids only)."""
+    from cedlm.text.tokenizer import load_tokenizer
+    for d in (ASSETS / "tokenizer", ASSETS / f"tokenizer-{vocab_size}"):
+        if (d / "tokenizer.json").exists():
+            tok = load_tokenizer(d)
+            if tok.vocab_size == vocab_size:
+                return tok
+    return None
+
+
+def load(model=None, tokenizer=None, seed: int = 0):
+    if isinstance(model, CEDModel):
+        return model.eval(), tokenizer if tokenizer is not None else tokenizer_for_vocab(model.cfg.vocab_size)
+    if model is None:
+        if not (DEFAULT_MODEL / "config.json").exists():
+            raise FileNotFoundError(f"model: no default model shipped at {DEFAULT_MODEL}; "
+                                    f"pass a checkpoint directory or a preset ({sorted(PRESETS)})")
+        model = DEFAULT_MODEL
+    if isinstance(model, str) and model in PRESETS:
+        cfg = ModelConfig.preset(model)
+        from cedlm.plan import plan
+        n = plan(cfg)["params_total"]
+        if n > MAX_BUILD_PARAMS:
+            raise ConfigError(f"model: preset {model!r} has {n:,} parameters; it is for accounting "
+                              f"(cedlm plan), not for building on this machine")
+        torch.manual_seed(seed)
+        m = CEDModel(cfg).eval()
+        tok = tokenizer if tokenizer is not None else tokenizer_for_vocab(cfg.vocab_size)
+        if tok is not None:
+            from cedlm.train.checkpoint import set_token_map
+            set_token_map(m, tok)
+        return m, tok
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model: {model!r} is neither a checkpoint directory nor a preset "
+                                f"({sorted(PRESETS)})")
+    from cedlm.train.checkpoint import load_model
+    m, tok = load_model(path)
+    return m, tokenizer if tokenizer is not None else tok

@@ -1,0 +1,138 @@
+"""Continuous batching over integers: admission by KV budget, chunked prefill, preemption.
+
+Each engine step runs (a) one decode token for every running sequence and (b) one encoder chunk
+of at most `prefill_chunk` tokens for one prefilling sequence. Blocks are reserved BEFORE the
+model runs, through an allocator with three integer operations, so the model's cache appends
+never fail mid-forward:
+
+    allocator.admit(req)            -> prefix lookup at admission; may set req.num_cached
+    allocator.reserve(req, tokens)  -> bool: req holds blocks for `tokens` positions
+    allocator.release(req)          -> frees everything req holds
+
+When a running sequence cannot grow, the most recently admitted other sequence is preempted
+(its KV freed; it waits again at the front and is later recomputed from its token ids). A
+request that can never fit (prompt + max_tokens beyond the whole pool, or beyond max_model_len)
+is rejected at `add` with an error that names the limit.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cedlm.engine.request import Request, Status
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served under the configured limits."""
+
+
+@dataclass
+class SchedulerOutput:
+    decode: list[Request] = field(default_factory=list)
+    prefill: Request | None = None
+    prefill_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and self.prefill is None
+
+
+class Scheduler:
+    def __init__(self, allocator, *, num_blocks: int, block_tokens: int, max_num_seqs: int,
+                 prefill_chunk: int, max_model_len: int):
+        if max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs: must be positive, got {max_num_seqs}")
+        if prefill_chunk <= 0:
+            raise ValueError(f"prefill_chunk: must be positive, got {prefill_chunk}")
+        self.alloc = allocator
+        self.num_blocks, self.block_tokens = num_blocks, block_tokens
+        self.max_num_seqs, self.prefill_chunk, self.max_model_len = max_num_seqs, prefill_chunk, max_model_len
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []          # admitted (prefilling or running), admission order
+
+    # ---------------------------------------------------------------- queue
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
+
+    def add(self, req: Request) -> None:
+        total = len(req.prompt_ids) + req.params.max_tokens
+        if not req.prompt_ids:
+            raise RequestRejected("prompt: empty prompt")
+        if len(req.prompt_ids) > self.max_model_len:
+            raise RequestRejected(f"prompt: {len(req.prompt_ids)} tokens exceed max_model_len "
+                                  f"{self.max_model_len}")
+        if total > self.max_model_len:
+            raise RequestRejected(f"max_tokens: prompt ({len(req.prompt_ids)}) + max_tokens "
+                                  f"({req.params.max_tokens}) = {total} exceeds max_model_len "
+                                  f"{self.max_model_len}")
+        if self.blocks_for(total) > self.num_blocks:
+            raise RequestRejected(
+                f"kv_budget: the request needs {self.blocks_for(total)} KV blocks of "
+                f"{self.block_tokens} tokens, the whole pool has {self.num_blocks}")
+        self.waiting.append(req)
+
+    def abort(self, req: Request) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.active:
+            self.active.remove(req)
+            self.alloc.release(req)
+        req.status = Status.FINISHED
+
+    def finish(self, req: Request) -> None:
+        if req in self.active:
+            self.active.remove(req)
+            self.alloc.release(req)
+        req.status = Status.FINISHED
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    @property
+    def num_running(self) -> int:
+        return sum(r.status is Status.RUNNING for r in self.active)
+
+    # ---------------------------------------------------------------- planning
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.active.remove(req)
+        self.alloc.release(req)
+        req.status = Status.WAITING
+        req.num_cached = req.num_prefix_hit = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        # 1. decode: every running sequence grows by one token; oldest first.
+        for req in [r for r in self.active if r.status is Status.RUNNING]:
+            if req not in self.active:
+                continue                                  # preempted while serving an older one
+            while not self.alloc.reserve(req, req.num_cached + 1):
+                victims = [r for r in self.active if r is not req and r not in out.decode]
+                if not victims:
+                    self._preempt(req, out)
+                    break
+                self._preempt(victims[-1], out)           # most recently admitted
+            else:
+                out.decode.append(req)
+        # 2. prefill: continue the sequence in prefill, else admit the next waiting one.
+        pre = next((r for r in self.active if r.status is Status.PREFILLING), None)
+        if pre is None and self.waiting and len(self.active) < self.max_num_seqs:
+            cand = self.waiting[0]
+            self.alloc.admit(cand)
+            if self.alloc.reserve(cand, min(cand.num_tokens, cand.num_cached + self.prefill_chunk)):
+                self.waiting.popleft()
+                cand.status = Status.PREFILLING
+                self.active.append(cand)
+                pre = cand
+            else:
+                self.alloc.release(cand)                 # not now: wait for memory
+                cand.num_cached = cand.num_prefix_hit = 0
+        if pre is not None:
+            n = min(self.prefill_chunk, pre.num_tokens - pre.num_cached)
+            if self.alloc.reserve(pre, pre.num_cached + n):
+                out.prefill, out.prefill_tokens = pre, n
+        return out

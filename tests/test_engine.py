@@ -1,0 +1,136 @@
+"""The engine against the plain model: greedy equality, batching, prefix cache, memory hygiene."""
+import pytest
+import torch
+
+from cedlm import CEDModel, LLM, ModelConfig, SamplingParams
+from cedlm.plan import plan
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return CEDModel(ModelConfig.preset("tiny").replace(initializer_range=0.08)).eval()
+
+
+def greedy_reference(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def prompts(k, lo=3, hi=60, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(k)]
+
+
+@pytest.mark.parametrize("mode", ["full", "exact"])
+def test_engine_greedy_equals_plain_model(tiny, mode):
+    llm = LLM(tiny, prefill_mode=mode, block_tokens=8, prefill_chunk=16)
+    ps = prompts(3)
+    outs = llm.generate(ps, SamplingParams(max_tokens=12, temperature=0))
+    for p, o in zip(ps, outs):
+        assert o.token_ids == greedy_reference(tiny, p, 12)
+        assert o.finish_reason == "length"
+
+
+def test_concurrent_equals_one_at_a_time(tiny):
+    ps = prompts(8, seed=1)
+    sp = SamplingParams(max_tokens=10, temperature=0)
+    together = LLM(tiny, prefill_mode="exact", max_num_seqs=8, block_tokens=8, prefill_chunk=7).generate(ps, sp)
+    alone = [LLM(tiny, prefill_mode="exact", max_num_seqs=1, block_tokens=8).generate([p], sp)[0]
+             for p in ps]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+
+
+def test_preemption_keeps_outputs_and_frees_blocks(tiny):
+    ps = prompts(4, lo=20, hi=30, seed=2)
+    sp = SamplingParams(max_tokens=24, temperature=0)
+    ref = LLM(tiny, prefill_mode="exact", block_tokens=8).generate(ps, sp)
+    llm = LLM(tiny, prefill_mode="exact", block_tokens=8, max_num_seqs=4, enable_prefix_cache=False,
+              kv_budget_bytes=4 * llm_window_bytes(tiny) + 14 * 8 * plan(tiny.cfg)["kv_bytes_per_token"])
+    outs = llm.generate(ps, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert llm.engine.counters["preemptions"] > 0
+    assert llm.engine.pool.num_used == 0
+
+
+def llm_window_bytes(model):
+    c = model.cfg
+    return c.n_layers * c.sliding_window * (c.head_dim + c.head_dim // 32)
+
+
+def test_prefix_hit_encodes_only_the_suffix(tiny):
+    llm = LLM(tiny, prefill_mode="exact", block_tokens=8, replay_mode="exact")
+    shared = prompts(1, lo=40, hi=41, seed=3)[0]
+    a = shared + [7, 8, 9]
+    b = shared + [10, 11, 12, 13, 14]
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    llm.generate([a], sp)
+    before = dict(llm.engine.counters)
+    out = llm.generate([b], sp)[0]
+    encoded = llm.engine.counters["encoder_tokens"] - before["encoder_tokens"]
+    assert out.num_cached_tokens == 40                      # 5 full blocks of 8
+    assert encoded == len(b) - 40                            # only the uncached suffix
+    assert llm.stats()["prefix_hits"] >= 1
+    assert out.token_ids == greedy_reference(tiny, b, 6)     # exact replay: output unchanged
+
+
+def test_blocks_return_to_zero_after_finish_and_abort(tiny):
+    llm = LLM(tiny, block_tokens=8, prefill_chunk=8)
+    eng = llm.engine
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=30, temperature=0)) for p in prompts(5, seed=4)]
+    for _ in range(6):
+        eng.step()
+    assert eng.pool.num_used > 0
+    eng.abort(reqs[0].request_id)
+    eng.abort(reqs[3].request_id)
+    while eng.has_work:
+        eng.step()
+    assert all(r.finished for r in reqs) and reqs[0].finish_reason == "abort"
+    cached_free = eng.pool.num_free
+    assert eng.pool.num_used == 0 and cached_free == eng.pool.num_blocks
+    assert all(v == 0 for v in eng.pool.ref)
+
+
+def test_measured_bytes_per_token_equal_plan():
+    torch.manual_seed(0)
+    model = CEDModel(ModelConfig.preset("small")).eval()
+    llm = LLM(model, block_tokens=64)
+    eng = llm.engine
+    req = eng.add_request(list(range(3, 131)), SamplingParams(max_tokens=2, temperature=0))
+    eng.step()
+    st = req.state
+    rows = sum(r.nbytes for r in list(st.kv.values()) + list(st.index.values()))
+    expected = plan(model.cfg)["kv_bytes_per_token"]
+    assert rows == 128 * expected                            # bytes held by the rows
+    assert eng.pool.bytes_per_block == 64 * expected          # bytes allocated per block
+    assert llm.stats()["kv_bytes_per_token"] == expected
+
+
+def test_sampling_seed_stop_and_logprobs(tiny):
+    # exact replay: the second copy hits the first's prefix blocks and must see the same logits
+    llm = LLM(tiny, block_tokens=8, replay_mode="exact", prefill_mode="exact")
+    p = prompts(1, seed=5)[0]
+    sp = SamplingParams(max_tokens=8, temperature=1.0, seed=123, logprobs=2)
+    a, b = llm.generate([p, p], [sp, sp])
+    assert a.token_ids == b.token_ids and len(a.logprobs) == 8 and len(a.top_logprobs) == 8
+    with torch.no_grad():
+        lp = torch.log_softmax(tiny(torch.tensor([p]))[0, -1], -1)[a.token_ids[0]].item()
+    assert a.logprobs[0] == pytest.approx(lp, abs=1e-4)
+    first = greedy_reference(tiny, p, 3)
+    out = llm.generate(p, SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[first[2]]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == first
+
+
+def test_bad_requests_are_rejected_cleanly(tiny):
+    llm = LLM(tiny, block_tokens=8, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([1] * 70, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([1, 2, 99999], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert llm.engine.pool.num_used == 0 and not llm.engine.has_work
