@@ -77,5 +77,24 @@ class LLM:
             self.engine.requests.pop(r.request_id, None)
         return outs
 
+    # ---------------------------------------------------------------- sessions
+    def save_session(self, key: str, prompt) -> int:
+        """Prefill `prompt` and store its global KV + token ids under `key` (no window state).
+        Returns the bytes stored."""
+        from cedlm.engine.session import save_session
+        if self.engine.store is None:
+            raise ValueError("store: LLM(..., store=PATH or redis://...) is needed for sessions")
+        st = self.model.new_state()
+        self.model.prefill(self.encode(prompt), st, self.engine.cfg.prefill_mode,
+                           chunk_size=self.engine.cfg.prefill_chunk)
+        return save_session(self.model, self.engine.store, key, st, self.engine.fingerprint)
+
+    def restore_session(self, key: str, mode: str = "exact"):
+        """(state, next-token logits) rebuilt from the store by replay, or None on a miss."""
+        from cedlm.engine.session import restore_session
+        if self.engine.store is None:
+            raise ValueError("store: LLM(..., store=PATH or redis://...) is needed for sessions")
+        return restore_session(self.model, self.engine.store, key, self.engine.fingerprint, mode)
+
     def stats(self) -> dict:
         return {**self.engine.counters, **self.engine.kv_stats()}

@@ -1,0 +1,75 @@
+"""Shared pytest fixtures."""
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+
+def _redis_unavailable(reason: str):
+    """Fail when CI demands Redis (CEDLM_REQUIRE_REDIS=1), skip otherwise."""
+    if os.environ.get("CEDLM_REQUIRE_REDIS") == "1":
+        pytest.fail(f"CEDLM_REQUIRE_REDIS=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """URL of a throwaway `redis-server` on a free loopback port (no persistence), for the session.
+
+    Without the `redis-server` binary or the `redis` Python client: skipped, or failed when the
+    environment sets CEDLM_REQUIRE_REDIS=1 (CI)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        _redis_unavailable("the redis-server binary is not on PATH (Debian/Ubuntu: apt-get install -y redis-server)")
+    if importlib.util.find_spec("redis") is None:
+        _redis_unavailable("the 'redis' Python client is not installed (pip install redis)")
+    workdir = tmp_path_factory.mktemp("redis")
+    last_err = ""
+    for _ in range(5):  # the free port can be taken between probe and bind: retry
+        port = _free_port()
+        log = open(workdir / f"redis-{port}.log", "wb")
+        proc = subprocess.Popen(
+            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(workdir), "--daemonize", "no"],
+            stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and proc.poll() is None and not _ping(port):
+            time.sleep(0.05)
+        if proc.poll() is None and _ping(port):
+            try:
+                yield f"redis://127.0.0.1:{port}/0"
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                log.close()
+            return
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log.close()
+        last_err = (workdir / f"redis-{port}.log").read_text(errors="replace")[-2000:]
+    pytest.fail(f"could not start redis-server ({exe}):\n{last_err}", pytrace=False)
