@@ -8,6 +8,11 @@ import subprocess
 import time
 
 import pytest
+import torch
+
+# The suite's tensors are small: one intra-op thread avoids OpenMP spin contention with other
+# processes on a shared 2-core machine (measured: 20x slower decode with 2 threads under load).
+torch.set_num_threads(1)
 
 
 def _redis_unavailable(reason: str):

@@ -239,3 +239,17 @@ def test_chunked_prefill_steps_yield_between_chunks(tiny):
         next(it)
     ref = tiny.prefill(ids, tiny.new_state(), "exact")
     assert torch.allclose(done.value.value if hasattr(done.value, "value") else done.value, ref, atol=1e-5)
+
+
+def test_engram_tables_offloaded_to_memory_map(tiny, tmp_path):
+    ids = torch.randint(0, tiny.cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(9))
+    ref = tiny(ids)
+    off = CEDModel(tiny.cfg).eval()
+    off.load_state_dict(tiny.state_dict())
+    off.offload_engram(tmp_path)
+    assert not any(".engram.embed." in k for k in off.state_dict())
+    assert all((tmp_path / f"engram.{l}.npy").exists() for l in tiny.cfg.engram_layer_ids)
+    assert torch.equal(off(ids), ref)
+    st = off.new_state()
+    last = off.prefill(ids[0], st, "full")[-1]
+    assert torch.allclose(last, ref[0, -1], atol=1e-4)

@@ -20,6 +20,10 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", action="append", default=None)
     p.add_argument("--prefill-mode", "--prefill_mode", dest="prefill_mode", default="bounded",
                    choices=["full", "exact", "bounded"])
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (1 is fastest for small models on a busy machine)")
+    p.add_argument("--engram-mmap", "--engram_mmap", dest="engram_mmap", default=None,
+                   help="directory to memory-map the Engram tables from (host memory / disk)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -28,7 +32,8 @@ def run(args) -> int:
     from cedlm.engine.llm import LLM
     from cedlm.engine.sampler import SamplingParams
     t0 = time.monotonic()
-    llm = LLM(model=args.model, prefill_mode=args.prefill_mode)
+    llm = LLM(model=args.model, prefill_mode=args.prefill_mode, num_threads=args.threads,
+              engram_mmap=args.engram_mmap)
     prompt = args.prompt
     if args.chat:
         from cedlm.text.chat import encode_chat
@@ -44,7 +49,7 @@ def run(args) -> int:
         "tokens_per_s": len(out.token_ids) / dt if dt > 0 else None, "elapsed_s": dt,
         "load_s": t1 - t0, "finish_reason": out.finish_reason,
         "kv_bytes_per_token": st["kv_bytes_per_token"],
-        "kv_bytes_peak_blocks": st["blocks_total"] - 0, "prefix_cache_queries": st["prefix_queries"],
+        "kv_bytes_peak": dict(llm.engine.peak), "prefix_cache_queries": st["prefix_queries"],
         "prefix_cache_hits": st["prefix_hits"], "encoder_tokens": st["encoder_tokens"],
         "decoder_prefill_tokens": st["decoder_prefill_tokens"],
     }
@@ -54,6 +59,7 @@ def run(args) -> int:
         print(out.text)
         print(f"\n[{stats['prompt_tokens']} prompt + {stats['generated_tokens']} generated tokens, "
               f"{stats['tokens_per_s']:.1f} tok/s, global KV {stats['kv_bytes_per_token']:g} B/token, "
+              f"peak KV bytes {stats['kv_bytes_peak']}, "
               f"prefix-cache hits {stats['prefix_cache_hits']}/{stats['prefix_cache_queries']}]",
               file=sys.stderr)
     return 0

@@ -101,6 +101,7 @@ class Engine:
         self.store = store
         self.fingerprint = model_fingerprint(mcfg.to_dict(), model.state_dict())
         self.requests: dict[str, Request] = {}
+        self.peak: dict[str, int] = {}           # peak KV bytes in use, by kind
         self._ids = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "encoder_tokens": 0,
                          "decoder_prefill_tokens": 0, "replay_tokens": 0, "preemptions": 0,
@@ -192,6 +193,9 @@ class Engine:
             finished += self._decode(out.decode)
         if out.prefill is not None:
             finished += self._prefill(out.prefill, out.prefill_tokens)
+        kv = self.kv_stats()
+        for k in ("main_kv", "index_keys", "window", "compressor_state"):
+            self.peak[k] = max(self.peak.get(k, 0), kv[k])
         return finished
 
     def _new_state(self, req: Request) -> SequenceState:

@@ -27,8 +27,14 @@ class LLM:
     def __init__(self, model=None, tokenizer=None, *, prefill_mode: str = "bounded",
                  kv_budget_bytes: int = 256 << 20, max_num_seqs: int = 16, block_tokens: int = 64,
                  prefill_chunk: int = 512, replay_mode: str = "bounded", enable_prefix_cache: bool = True,
-                 max_model_len: int | None = None, store=None, seed: int = 0):
+                 max_model_len: int | None = None, store=None, seed: int = 0,
+                 num_threads: int | None = None, engram_mmap: str | None = None):
+        if num_threads is not None:
+            import torch
+            torch.set_num_threads(num_threads)
         self.model, self.tokenizer = load(model, tokenizer, seed)
+        if engram_mmap is not None:
+            self.model.offload_engram(engram_mmap)
         if isinstance(store, str):
             from cedlm.cache.store import open_store
             store = open_store(store)

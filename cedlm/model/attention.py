@@ -127,7 +127,6 @@ class Attention(nn.Module):
                 score = score.masked_fill(~step.pool, NEG)
             sel = topk_entries(score.detach(), cfg.index_topk)
             step.topk[self.layer_id] = sel
-            self.last_index_score = score                   # for an indexer training loss
             return sel
         return step.topk[self.isrc]
 

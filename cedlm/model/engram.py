@@ -131,9 +131,25 @@ class Engram(nn.Module):
         nn.init.normal_(self.embed.weight, std=cfg.initializer_range)
         nn.init.normal_(self.wkv.weight, std=cfg.initializer_range)
 
+    host_table = None           # np.memmap of the table when offloaded (see `offload`)
+
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [B, T, buckets] -> concatenated embeddings [B, T, buckets * head_dim]."""
+        """rows [B, T, buckets] -> concatenated embeddings [B, T, buckets * head_dim].
+
+        The indices come from token ids alone, so the caller runs this before the layer (a
+        prefetch); with an offloaded table only the touched rows are read from the file."""
+        if self.host_table is not None:
+            flat = np.asarray(self.host_table[rows.reshape(-1).numpy()])
+            return torch.from_numpy(flat).view(*rows.shape, -1).flatten(-2)
         return self.embed(rows).flatten(-2)
+
+    def offload(self, path) -> None:
+        """Move the table to a memory-mapped .npy file (inference): the table then lives in the
+        page cache / on disk, not in the model's parameters (its state_dict entry goes away)."""
+        path = str(path)
+        np.save(path, self.embed.weight.detach().float().numpy())
+        self.host_table = np.load(path if path.endswith(".npy") else path + ".npy", mmap_mode="r")
+        del self.embed
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """x: mHC copies [B, T, n, D]; emb: looked-up rows [B, T, buckets*head_dim]."""

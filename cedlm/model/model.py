@@ -233,6 +233,14 @@ class CEDModel(nn.Module):
             st.num_tokens += 1
         return self.decoder_pass(x, pre, pos, step)[:, -1]
 
+    def offload_engram(self, directory) -> None:
+        """Memory-map every Engram table from `directory` (written there first)."""
+        from pathlib import Path
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        for l in self.cfg.engram_layer_ids:
+            self.layers[l].engram.offload(d / f"engram.{l}.npy")
+
     def num_parameters(self, exclude_engram: bool = False) -> int:
         return sum(p.numel() for n, p in self.named_parameters()
                    if not (exclude_engram and ".engram.embed." in n))
