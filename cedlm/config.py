@@ -104,6 +104,8 @@ class ModelConfig:
     # DESIGN.md lists a weightless per-head RMS norm of the queries; vLLM's V4.1 and the PyPTO
     # reference port do not apply one (V4 did). Off by default to match V4.1; kept as an option.
     q_head_norm: bool = False
+    # Which stack to build from this config: the CED model, or its decoder-only twin (baseline).
+    arch: str = "ced"
     kv_lora_rank: int = 0                 # mla family only
     intermediate_size: int = 0            # llama / dense MLP (accounting)
     first_k_dense_replace: int = 0        # mla family only
@@ -193,6 +195,8 @@ class ModelConfig:
     def validate(self) -> None:
         if self.family not in ("ced", "v4", "mla", "llama"):
             raise ConfigError(f"family: unknown {self.family!r}")
+        if self.arch not in ("ced", "twin"):
+            raise ConfigError(f"arch: {self.arch!r} is not 'ced' or 'twin'")
         if self.family in ("mla", "llama"):
             return
         L = self.num_hidden_layers
@@ -297,7 +301,7 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ (de)serialisation
     _TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id")
-    _CEDLM = ("family", "main_kv_format", "index_kv_format", "window_kv_format", "q_head_norm")
+    _CEDLM = ("family", "main_kv_format", "index_kv_format", "window_kv_format", "q_head_norm", "arch")
 
     @classmethod
     def _field_names(cls) -> set[str]:

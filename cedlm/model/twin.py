@@ -132,5 +132,5 @@ class TwinModel(nn.Module):
             outs.append(self.prefill([t], st)[-1])
         return torch.stack(outs)
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+    def num_parameters(self, exclude_engram: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters())      # no Engram in the twin

@@ -1,0 +1,365 @@
+"""`cedlm train`: pretrain a CED model on a prepared corpus (one process, or DDP under torchrun).
+
+    cedlm train --preset small --data data/corpus --out runs/small --steps 2000 --threads 2
+    torchrun --nproc_per_node 2 -m cedlm.train.train --preset tiny --out runs/tiny --steps 100
+    cedlm train --resume runs/small --steps 4000          # continue (saved settings are kept)
+
+Each step: draw the global batch (every rank its slice of it), forward + cross-entropy, backward,
+average gradients across ranks, clip, AdamW with linear warmup and cosine decay to --min-lr, then
+the MoE aux-loss-free balancing: every gate's selection bias moves by --bias-update-rate towards
+balance, from the tokens-per-expert load of this step (summed over ranks), and the load is reset.
+
+Gradients are averaged with one all-reduce of a flat buffer rather than the DDP wrapper: MoE experts
+that no token of the global batch chose keep `grad = None` exactly as in a single process (AdamW
+then skips them), which is what makes N ranks reproduce one process on the same global batch.
+
+A run directory holds `checkpoint/` (HF-style, see checkpoint.py), `metrics.jsonl` (one line per
+step; eval steps add val_loss and val_ppl) and `loss.png`. Resuming restores the optimizer, step,
+RNG and sampler states: N steps straight and N/2 + resume + N/2 give bitwise equal weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cedlm.config import ModelConfig
+from cedlm.model import build_model
+from cedlm.model.model import CEDModel
+from cedlm.text.tokenizer import load_tokenizer
+from cedlm.train import checkpoint as ckpt_io
+from cedlm.train.data import BatchSampler, token_cache, val_batches
+from cedlm.train.plot import plot_metrics
+
+DEFAULTS = dict(
+    preset="small", config=None, arch=None, tokenizer="default", data="data/corpus", cache_dir=None,
+    out="runs/train", steps=1000, batch_size=16, seq_len=256, lr=1e-3, min_lr=1e-4, warmup=100,
+    weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, eval_every=100, eval_batches=8,
+    save_every=500, seed=1337, bias_update_rate=1e-3, threads=None, max_minutes=None,
+    stop_at_step=None, device="cpu", progress=True,
+)
+# Settings of this invocation only: not saved, not restored on resume.
+RUN_ONLY = ("resume", "out", "threads", "max_minutes", "stop_at_step", "device", "progress", "func")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Training flags. Defaults are None here so --resume can tell given from omitted."""
+    a = p.add_argument
+    a("--preset", help=f"model preset (default {DEFAULTS['preset']})")
+    a("--config", help="model config.json (official schema); overrides --preset")
+    a("--arch", choices=["ced", "twin"], help="ced (default) or its decoder-only twin (the baseline)")
+    a("--tokenizer", help="tokenizer name or dir (default: the shipped 4096-vocab BPE)")
+    a("--data", help="corpus dir with train.txt and val.txt (default data/corpus)")
+    a("--cache-dir", help="token cache dir (default DATA/tokens)")
+    a("--out", help="run directory (default runs/train; on resume, the resumed run's dir)")
+    a("--steps", type=int, help="total optimizer steps (default 1000)")
+    a("--batch-size", type=int, help="global batch in sequences, split across ranks (default 16)")
+    a("--seq-len", type=int, help="tokens per sequence (default 256)")
+    a("--lr", type=float, help="peak learning rate (default 1e-3)")
+    a("--min-lr", type=float, help="final learning rate of the cosine decay (default 1e-4)")
+    a("--warmup", type=int, help="linear warmup steps (default 100)")
+    a("--weight-decay", type=float, help="AdamW weight decay on matrices (default 0.1)")
+    a("--beta1", type=float), a("--beta2", type=float)
+    a("--grad-clip", type=float, help="max global grad norm; 0 disables (default 1.0)")
+    a("--eval-every", type=int, help="steps between validations (default 100)")
+    a("--eval-batches", type=int, help="validation batches of --batch-size windows (default 8)")
+    a("--save-every", type=int, help="steps between checkpoints (default 500)")
+    a("--seed", type=int, help="seed of init and data order (default 1337)")
+    a("--bias-update-rate", type=float, help="MoE balancing bias step per update (default 1e-3)")
+    a("--threads", type=int, help="torch threads per process (default: cores / local ranks)")
+    a("--max-minutes", type=float, help="stop cleanly and checkpoint after this wall time")
+    a("--stop-at-step", type=int, help="stop (and checkpoint) at this step, keeping the --steps schedule")
+    a("--resume", help="checkpoint or run dir to continue from")
+    a("--device", help="cpu (default) or cuda")
+    a("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cedlm train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+# ---------------------------------------------------------------------------- helpers
+def lr_at(step: int, a) -> float:
+    """Linear warmup to lr over `warmup` steps, then cosine decay to min_lr at `steps`."""
+    if step < a.warmup:
+        return a.lr * (step + 1) / a.warmup
+    if step >= a.steps:
+        return a.min_lr
+    t = (step - a.warmup) / max(1, a.steps - a.warmup)
+    return a.min_lr + 0.5 * (1 + math.cos(math.pi * t)) * (a.lr - a.min_lr)
+
+
+def resolve_args(given: argparse.Namespace, saved: dict | None) -> argparse.Namespace:
+    """DEFAULTS < settings saved in the checkpoint < flags given on this command line."""
+    merged = dict(DEFAULTS)
+    if saved:
+        merged.update(saved)
+    merged.update({k: v for k, v in vars(given).items() if v is not None})
+    return argparse.Namespace(**merged)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
+
+
+def sync_gradients(params: list[torch.Tensor], world: int) -> None:
+    """Average gradients over ranks in one all-reduce; a parameter that no rank used keeps None."""
+    used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]
+                     + [used])
+    dist.all_reduce(flat)
+    flat /= world
+    used_anywhere = (flat[-len(params):] > 0).tolist()
+    n = 0
+    for p, u in zip(params, used_anywhere):
+        k = p.numel()
+        p.grad = flat[n: n + k].view_as(p).clone() if u else None
+        n += k
+
+
+def moe_gates(model: CEDModel):
+    return [layer.ffn for layer in model.layers]
+
+
+@torch.no_grad()
+def update_moe_bias(model: CEDModel, rate: float, world: int) -> None:
+    """Aux-loss-free balancing from this step's load (tokens per expert, summed over ranks)."""
+    ffns = moe_gates(model)
+    load = torch.stack([f.load for f in ffns])
+    if world > 1:
+        dist.all_reduce(load)
+    for f, l in zip(ffns, load):
+        if rate:
+            f.gate.update_bias(l, rate)
+        f.load.zero_()
+
+
+def all_mean(x: float, world: int, device) -> float:
+    if world == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / world
+
+
+@torch.no_grad()
+def evaluate(model, tokens, a, rank: int, world: int, device) -> float:
+    """Mean validation cross-entropy (nats/token) over the fixed windows."""
+    was = model.training
+    model.eval()
+    tot = torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y in val_batches(tokens, a.seq_len, a.batch_size, a.eval_batches, rank, world):
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        tot[0] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double()
+        tot[1] += y.numel()
+    if world > 1:
+        dist.all_reduce(tot)
+    model.train(was)
+    return (tot[0] / tot[1]).item()
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    from cedlm.data.corpus import atomic_write_text
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+# ---------------------------------------------------------------------------- distributed
+def setup_distributed(device_kind: str):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_kind == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def default_threads() -> int:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // local)
+
+
+# ---------------------------------------------------------------------------- training
+def train(given: argparse.Namespace) -> dict:
+    """Run training; returns {"step", "loss", "val_loss", "metrics", "out"} (rank 0's view)."""
+    saved_state = ckpt_io.load_training_state(given.resume) if getattr(given, "resume", None) else None
+    a = resolve_args(given, saved_state["args"] if saved_state else None)
+    rank, world, device = setup_distributed(a.device)
+    torch.set_num_threads(a.threads or default_threads())
+    master = rank == 0
+
+    # Model, tokenizer, optimizer -----------------------------------------------------------
+    if saved_state:
+        src = ckpt_io.resolve_checkpoint(a.resume)
+        if given.out is None:
+            a.out = str(src.parent if src.name == ckpt_io.CHECKPOINT_NAME else src)
+        model, tokenizer = ckpt_io.load_model(src)
+        cfg = model.cfg
+    else:
+        tokenizer = load_tokenizer(a.tokenizer)
+        cfg = ModelConfig.from_json(a.config) if a.config else ModelConfig.preset(a.preset)
+        if cfg.vocab_size != tokenizer.vocab_size:
+            if master:
+                print(f"note: vocab_size {cfg.vocab_size} -> {tokenizer.vocab_size} (the tokenizer's)",
+                      file=sys.stderr)
+            cfg = cfg.replace(vocab_size=tokenizer.vocab_size)
+        if a.arch:
+            cfg = cfg.replace(arch=a.arch)
+        torch.manual_seed(a.seed)
+        model = build_model(cfg)
+        ckpt_io.set_token_map(model, tokenizer)
+    model.to(device).train()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(param_groups(model, a.weight_decay), lr=a.lr, betas=(a.beta1, a.beta2),
+                            eps=1e-8)
+
+    # Data (rank 0 tokenises once; the others wait, then map the same cache) -------------------
+    data = Path(a.data)
+    if master:
+        train_tok = token_cache(data / "train.txt", tokenizer, a.cache_dir, progress=a.progress)
+        val_tok = token_cache(data / "val.txt", tokenizer, a.cache_dir)
+    if world > 1:
+        dist.barrier()
+    if not master:
+        train_tok = token_cache(data / "train.txt", tokenizer, a.cache_dir, build=False)
+        val_tok = token_cache(data / "val.txt", tokenizer, a.cache_dir, build=False)
+    sampler = BatchSampler(train_tok, a.seq_len, a.batch_size, a.seed, rank, world)
+
+    step, metrics, elapsed0 = 0, [], 0.0
+    if saved_state:
+        opt.load_state_dict(saved_state["optimizer"])
+        sampler.load_state_dict(saved_state["sampler"])
+        ckpt_io.set_rng_state(saved_state["rng"][rank] if rank < len(saved_state["rng"])
+                              else saved_state["rng"][0])
+        step, metrics = saved_state["step"], list(saved_state["metrics"])
+        elapsed0 = saved_state.get("elapsed", 0.0)
+
+    out = Path(a.out)
+    metrics_path = out / "metrics.jsonl"
+    if master:
+        out.mkdir(parents=True, exist_ok=True)
+        write_jsonl(metrics_path, metrics)          # a fresh run, or exactly what the checkpoint saw
+        n_params = model.num_parameters()
+        print(f"cedlm train: {n_params / 1e6:.2f}M params ({model.num_parameters(True) / 1e6:.2f}M "
+              f"without Engram tables), {len(train_tok):,} train tokens, {world} rank(s), "
+              f"{torch.get_num_threads()} threads/rank, step {step}/{a.steps}", file=sys.stderr)
+
+    def save():
+        # Every rank's RNG state: identical today (no dropout), kept per rank for exactness.
+        rngs = [ckpt_io.rng_state()]
+        if world > 1:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, rngs[0])
+            rngs = gathered
+        if master:
+            saved_args = {k: v for k, v in vars(a).items() if k not in RUN_ONLY}
+            state = {"step": step, "optimizer": opt.state_dict(), "sampler": sampler.state_dict(),
+                     "rng": rngs, "metrics": metrics, "elapsed": elapsed0 + time.time() - t_start,
+                     "args": saved_args, "world_size": world}
+            ckpt_io.save_checkpoint(out / ckpt_io.CHECKPOINT_NAME, model, tokenizer, state,
+                                    training_args={**saved_args, "step": step})
+        if world > 1:
+            dist.barrier()
+
+    bar = None
+    if master and a.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=a.steps, initial=step, desc="train", dynamic_ncols=True)
+    t_start = time.time()
+    last = {"loss": None, "val_loss": None}
+    tokens_per_step = a.batch_size * a.seq_len
+    stop_at = min(a.steps, a.stop_at_step) if a.stop_at_step else a.steps
+    while step < stop_at:
+        t0 = time.time()
+        lr = lr_at(step, a)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = sampler.next_batch()
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        if world > 1:
+            sync_gradients(params, world)
+        grad_norm = None
+        if a.grad_clip and a.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, a.grad_clip).item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        update_moe_bias(model, a.bias_update_rate, world)
+        step += 1
+        loss_v = all_mean(loss.item(), world, device)
+        dt = time.time() - t0
+        rec = {"step": step, "loss": loss_v, "lr": lr, "grad_norm": grad_norm,
+               "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / dt,
+               "elapsed": elapsed0 + time.time() - t_start}
+        last["loss"] = loss_v
+
+        # time budget: rank 0 decides, everyone follows
+        out_of_time = bool(a.max_minutes) and (time.time() - t_start) >= a.max_minutes * 60
+        if world > 1:
+            flag = torch.tensor([float(out_of_time)], device=device)
+            dist.broadcast(flag, 0)
+            out_of_time = bool(flag.item())
+        final = step >= stop_at or out_of_time
+
+        if (a.eval_every and step % a.eval_every == 0) or final:
+            val = evaluate(model, val_tok, a, rank, world, device)
+            rec.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
+            last["val_loss"] = val
+        metrics.append(rec)
+        if master:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if "val_loss" in rec:
+                plot_metrics(metrics, out / "loss.png")
+                msg = (f"step {step}: loss {loss_v:.4f} val_loss {rec['val_loss']:.4f} "
+                       f"val_ppl {rec['val_ppl']:.2f} lr {lr:.2e} {rec['tokens_per_s']:.0f} tok/s")
+                (bar.write(msg) if bar else print(msg, file=sys.stderr))
+            if bar:
+                bar.set_postfix(loss=f"{loss_v:.3f}", lr=f"{lr:.1e}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                bar.update(1)
+        if (a.save_every and step % a.save_every == 0) or final:
+            save()
+        if out_of_time:
+            if master:
+                print(f"time budget of {a.max_minutes} min reached at step {step}; checkpoint saved",
+                      file=sys.stderr)
+            break
+    if bar:
+        bar.close()
+    return {"step": step, "loss": last["loss"], "val_loss": last["val_loss"], "metrics": metrics,
+            "out": str(out), "model": model}
+
+
+def run(args: argparse.Namespace) -> int:
+    train(args)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
