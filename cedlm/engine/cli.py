@@ -1,7 +1,6 @@
 """`cedlm generate`: one prompt through the engine, with a stats line (or one JSON object)."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time

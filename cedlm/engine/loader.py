@@ -28,6 +28,14 @@ def tokenizer_for_vocab(vocab_size: int):
 
 
 def load(model=None, tokenizer=None, seed: int = 0):
+    m, tok = _load(model, tokenizer, seed)
+    if not isinstance(m, CEDModel):
+        raise ConfigError("model: the decoder-only twin (arch 'twin') is a benchmark baseline; "
+                          "the engine serves CED models (arch 'ced')")
+    return m, tok
+
+
+def _load(model=None, tokenizer=None, seed: int = 0):
     if isinstance(model, CEDModel):
         return model.eval(), tokenizer if tokenizer is not None else tokenizer_for_vocab(model.cfg.vocab_size)
     if model is None:

@@ -1,0 +1,5 @@
+import sys
+
+from cedlm.plan.report import main
+
+sys.exit(main())
