@@ -28,8 +28,6 @@ def _ppl(args: argparse.Namespace) -> int:
     from cedlm.eval.ppl import DEFAULT_SEQ_LEN, evaluate_ppl, resolve_model, trained_seq_len
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not args.model:
-        raise SystemExit("--model: give a checkpoint (or run) directory")
     text = _read(args.text)
     model, tok, name = resolve_model(args.model)
     seq_len = args.seq_len or trained_seq_len(name) or DEFAULT_SEQ_LEN
@@ -57,7 +55,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     q = sub.add_parser("ppl", help="perplexity and bits/byte of a UTF-8 file under a model")
     q.add_argument("--text", required=True, help="UTF-8 text file to score")
-    q.add_argument("--model", help="checkpoint dir (or a run dir holding checkpoint/)")
+    q.add_argument("--model", help="checkpoint dir (or a run dir holding checkpoint/), a preset, "
+                   "or nothing for the shipped default model")
     q.add_argument("--seq-len", type=int, help="window length (default: the trained seq_len, else 256)")
     q.add_argument("--batch-size", type=int, default=8, help="windows per forward (default 8)")
     q.add_argument("--threads", type=int, help="torch threads")

@@ -22,12 +22,18 @@ import torch.nn.functional as F
 DEFAULT_SEQ_LEN = 256
 
 
-def resolve_model(spec: str | Path):
-    """--model value -> (model, tokenizer, name). For now: a checkpoint or run directory."""
-    from cedlm.train.checkpoint import load_model, resolve_checkpoint
-    path = resolve_checkpoint(spec)
-    model, tok = load_model(path)
-    return model, tok, str(path)
+def resolve_model(spec: str | Path | None):
+    """--model value -> (model, tokenizer, name): a checkpoint or run directory, a preset, or
+    None for the shipped default model. The decoder-only twin loads too (for comparisons)."""
+    from cedlm.engine.loader import DEFAULT_MODEL, _load
+    from cedlm.presets import PRESETS
+    if spec is not None and str(spec) not in PRESETS:
+        from cedlm.train.checkpoint import load_model, resolve_checkpoint
+        path = resolve_checkpoint(spec)
+        model, tok = load_model(path)
+        return model, tok, str(path)
+    model, tok = _load(spec)
+    return model, tok, str(spec or DEFAULT_MODEL)
 
 
 def trained_seq_len(path: str | Path) -> int | None:
