@@ -7,6 +7,7 @@ import sys
 
 # (module, attribute) of each `add_parser(subparsers)` hook; optional ones may be absent.
 COMMANDS = [
+    ("cedlm.server.cli", "add_parser"),
     ("cedlm.engine.cli", "add_parser"),
     ("cedlm.plan", "add_parser"),
     ("cedlm.data.cli", "add_parser"),

@@ -131,6 +131,7 @@ class Engine:
             self.scheduler.abort(req)
             req.finish_reason = "abort"
             req.finish_time = time.monotonic()
+        self.requests.pop(request_id, None)
 
     @property
     def has_work(self) -> bool:
@@ -193,6 +194,8 @@ class Engine:
             finished += self._decode(out.decode)
         if out.prefill is not None:
             finished += self._prefill(out.prefill, out.prefill_tokens)
+        for r in finished:                        # the caller holds its own reference
+            self.requests.pop(r.request_id, None)
         kv = self.kv_stats()
         for k in ("main_kv", "index_keys", "window", "compressor_state"):
             self.peak[k] = max(self.peak.get(k, 0), kv[k])

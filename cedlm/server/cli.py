@@ -1,0 +1,94 @@
+"""`cedlm serve`: the OpenAI-compatible server (FastAPI + uvicorn), loopback by default."""
+from __future__ import annotations
+
+import argparse
+import re
+
+_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(s: str) -> int:
+    """'268435456', '256M', '256MiB', '1.5G', '512k' -> bytes (binary multiples)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(s))
+    if not m:
+        raise argparse.ArgumentTypeError(f"kv-budget: {s!r} is not a size like 268435456, 256M or 1G")
+    n = int(float(m.group(1)) * _SUFFIX[m.group(2).lower()])
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"kv-budget: must be positive, got {s!r}")
+    return n
+
+
+def _alias(s: str) -> str:
+    from cedlm.server.aliases import parse_alias
+    try:
+        parse_alias(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                       description=__doc__)
+    p.add_argument("--model", default=None,
+                   help="checkpoint dir or preset (default: the shipped default model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", "--api_key", dest="api_key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CEDLM_API_KEY, else open)")
+    p.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
+                   help="model name clients use (default: cedlm-small for the shipped model, cedlm-PRESET "
+                        "for a preset, the directory name for a checkpoint)")
+    p.add_argument("--alias", action="append", default=[], type=_alias, metavar="NAME[=current|deprecated]",
+                   help="another name for the served model; deprecated ones are served but announced "
+                        "(repeatable; 'cedlm' is always a current alias)")
+    p.add_argument("--max-num-seqs", "--max_num_seqs", dest="max_num_seqs", type=int, default=16,
+                   help="sequences the engine runs at once")
+    p.add_argument("--kv-budget", "--kv_budget", dest="kv_budget", type=parse_bytes, default=256 << 20,
+                   help="KV-cache bytes (pool + windows); suffixes K/M/G (binary), default 256M")
+    p.add_argument("--max-model-len", "--max_model_len", dest="max_model_len", type=int, default=None,
+                   help="context length (default: the model's max_position_embeddings)")
+    p.add_argument("--prefill-mode", "--prefill_mode", dest="prefill_mode", default="bounded",
+                   choices=["full", "exact", "bounded"])
+    p.add_argument("--replay-mode", "--replay_mode", dest="replay_mode", default="bounded",
+                   choices=["exact", "bounded"], help="window rebuild after a prefix-cache hit")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false")
+    p.add_argument("--max-waiting", "--max_waiting", dest="max_waiting", type=int, default=64,
+                   help="requests that may wait for admission while the engine is full; beyond -> 429")
+    p.add_argument("--queue-timeout", "--queue_timeout", dest="queue_timeout", type=float, default=30.0,
+                   help="seconds a request may wait for admission before it gets 429 (0 or less: forever)")
+    p.add_argument("--retry-after", "--retry_after", dest="retry_after", type=int, default=1,
+                   help="seconds sent in the retry-after header of a 429")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: best for small models on a busy machine)")
+    p.add_argument("--seed", type=int, default=0, help="seed for preset (random) weights")
+    p.add_argument("--log-level", "--log_level", dest="log_level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+
+
+def build_app(args):
+    from cedlm.engine.llm import LLM
+    from cedlm.server.aliases import AliasTable, default_served_name
+    from cedlm.server.app import api_key_from_env, create_app
+    llm = LLM(model=args.model, prefill_mode=args.prefill_mode, replay_mode=args.replay_mode,
+              kv_budget_bytes=args.kv_budget, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_model_len, enable_prefix_cache=args.prefix_cache,
+              seed=args.seed, num_threads=args.threads)
+    table = AliasTable.from_cli(args.served_model_name or default_served_name(args.model), args.alias)
+    return create_app(llm, aliases=table, api_key=api_key_from_env(args.api_key),
+                      max_waiting=args.max_waiting,
+                      queue_timeout=args.queue_timeout if args.queue_timeout > 0 else None,
+                      retry_after=args.retry_after)
+
+
+def run(args) -> int:
+    import torch
+    import uvicorn
+    torch.set_num_threads(args.threads)
+    app = build_app(args)
+    table = app.state.aliases
+    print(f"cedlm serve: {table.served_name} (names: {', '.join(table.describe())}) on "
+          f"http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

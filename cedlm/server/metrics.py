@@ -1,0 +1,78 @@
+"""Prometheus metrics, one CollectorRegistry per app (so several apps can live in one process).
+
+Engine-side values come from the worker's snapshot (taken on the engine thread after each step),
+never from the engine directly.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+KV_KINDS = ("main_kv", "index_keys", "window", "compressor_state")
+
+
+class EngineCollector:
+    def __init__(self, worker, model_name: str):
+        self.worker, self.model = worker, model_name
+
+    def collect(self):
+        s = self.worker.snapshot
+        kv, c, peak = s.get("kv", {}), s.get("counters", {}), s.get("peak", {})
+        lab = ["model_name"]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=lab)
+            g.add_metric([self.model], value)
+            return g
+
+        def counter(name, doc, value):
+            m = CounterMetricFamily(name, doc, labels=lab)
+            m.add_metric([self.model], value)
+            return m
+
+        yield gauge("cedlm_num_requests_running", "Requests admitted by the scheduler (prefilling or decoding).",
+                    s.get("running", 0))
+        yield gauge("cedlm_num_requests_waiting", "Requests waiting for admission.", s.get("waiting", 0))
+        g = GaugeMetricFamily("cedlm_kv_bytes_in_use", "KV-cache bytes in use, by kind.",
+                              labels=lab + ["kind"])
+        for k in KV_KINDS:
+            g.add_metric([self.model, k], kv.get(k, 0))
+        yield g
+        g = GaugeMetricFamily("cedlm_kv_bytes_peak", "Peak KV-cache bytes in use since start, by kind.",
+                              labels=lab + ["kind"])
+        for k in KV_KINDS:
+            g.add_metric([self.model, k], peak.get(k, 0))
+        yield g
+        yield gauge("cedlm_kv_bytes_per_token", "Global KV-cache bytes per token (pool, all layers).",
+                    kv.get("kv_bytes_per_token", 0))
+        yield gauge("cedlm_kv_pool_bytes", "Bytes of the paged KV pool.", kv.get("pool_bytes", 0))
+        yield gauge("cedlm_kv_blocks_total", "KV blocks in the pool.", kv.get("blocks_total", 0))
+        yield gauge("cedlm_kv_blocks_in_use", "KV blocks held by requests.", kv.get("blocks_in_use", 0))
+        yield counter("cedlm_prefix_cache_queries", "Prefix-cache lookups (one per admission).",
+                      kv.get("prefix_queries", 0))
+        yield counter("cedlm_prefix_cache_hits", "Prefix-cache lookups that found at least one block.",
+                      kv.get("prefix_hits", 0))
+        yield counter("cedlm_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
+                      kv.get("prefix_cached_tokens", 0))
+        yield counter("cedlm_prompt_tokens", "Prompt tokens submitted to the engine.",
+                      c.get("prompt_tokens", 0))
+        yield counter("cedlm_generation_tokens", "Tokens generated.", c.get("generation_tokens", 0))
+        yield counter("cedlm_preemptions", "Sequences preempted (KV freed, recomputed later).",
+                      c.get("preemptions", 0))
+        yield counter("cedlm_requests_finished", "Requests the engine finished (any reason but abort).",
+                      c.get("requests_finished", 0))
+        m = CounterMetricFamily("cedlm_requests_rejected", "Requests rejected with 429, by reason.",
+                                labels=lab + ["reason"])
+        for k, v in s.get("rejected", {}).items():
+            m.add_metric([self.model, k], v)
+        yield m
+
+
+class Metrics:
+    def __init__(self, worker, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(worker, model_name))
+        self.http = Counter("cedlm_http_requests", "HTTP requests by route and status code.",
+                            ["route", "status"], registry=self.registry)
+        self.disconnects = Counter("cedlm_client_disconnects", "Requests aborted because the client went away.",
+                                   registry=self.registry)
