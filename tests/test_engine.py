@@ -134,3 +134,26 @@ def test_bad_requests_are_rejected_cleanly(tiny):
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     assert llm.engine.pool.num_used == 0 and not llm.engine.has_work
+
+
+def test_failure_mid_prefill_frees_blocks_and_publishes_nothing(tiny, monkeypatch):
+    llm = LLM(tiny, block_tokens=8, prefill_chunk=16, prefill_mode="exact", replay_mode="exact")
+    calls = {"n": 0}
+    real = tiny.encoder_pass
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real(*a, **k)
+
+    monkeypatch.setattr(tiny, "encoder_pass", flaky)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate([list(range(3, 50))], SamplingParams(max_tokens=2))
+    pool = llm.engine.pool
+    assert pool.num_used == 0 and all(r == 0 for r in pool.ref)
+    assert len(pool.cached) == 2                 # only the first chunk's 2 complete blocks
+    monkeypatch.setattr(tiny, "encoder_pass", real)
+    ok = llm.generate([list(range(3, 50))], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert ok.num_cached_tokens == 16            # the published blocks are reused, and correct
+    assert ok.token_ids == greedy_reference(tiny, list(range(3, 50)), 3)

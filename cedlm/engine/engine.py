@@ -221,11 +221,14 @@ class Engine:
             req.prefill_iter = self.model.prefill_steps(todo, req.state, self.cfg.prefill_mode,
                                                         chunk_size=self.cfg.prefill_chunk)
         self.counters["encoder_tokens"] += n
-        req.num_cached += n
+        # num_cached grows only after the chunk ran: a failure mid-chunk never publishes
+        # half-written blocks to the prefix cache.
         try:
             next(req.prefill_iter)
+            req.num_cached += n
             return []
         except StopIteration as done:
+            req.num_cached += n
             logits = done.value[-1:]
         req.prefill_iter = None
         req.status = Status.RUNNING
