@@ -131,6 +131,15 @@ def test_blob_layout_and_roundtrip():
     assert encode_record(rec, key="seq-1") == blob  # deterministic
 
 
+@pytest.mark.parametrize("how", ["flip_middle_byte", "truncate_one", "garbage", "wrong_version", "bad_descriptor"])
+def test_decode_raises_corrupt_record(how):
+    blob = encode_record(make_record(), key="k")
+    with pytest.raises(CorruptRecord):
+        decode_record(CORRUPTIONS[how](blob))
+    with pytest.raises(CorruptRecord, match="expected 'other'"):
+        decode_record(blob, expect_key="other")
+
+
 def test_torch_inputs_and_tensors_view():
     rec = Record(meta={}, arrays={"kv.2": torch.randint(0, 256, (5, 9), dtype=torch.uint8),
                                   "tokens": torch.arange(7, dtype=torch.int32),
