@@ -13,6 +13,7 @@ COMMANDS = [
     ("cedlm.data.cli", "add_parser"),
     ("cedlm.train.cli", "add_parser"),
     ("cedlm.eval.cli", "add_parser"),
+    ("cedlm.bench.cli", "add_parser"),
 ]
 
 
