@@ -6,6 +6,9 @@
 | ``index_fp4``  | E2M1, 2 per byte (even = low) | one UE8M0 per 32 dims      | 64+4 = 68    |
 | ``window_fp8`` | E4M3, 1 per byte              | one UE8M0 per 32 dims      | 512+16 = 528 |
 
+(Also here, outside ``FORMATS``: ``v4_fp8``, DeepSeek V4's 584-byte MODEL1 main-KV entry, the
+baseline the V4-Flash-style twin stores; see ``V4Fp8Format``.)
+
 An entry is ``[packed elements][scale bytes]``, contiguous. Any ``dim`` that is a positive multiple
 of the format's block works (the official sizes are 512, 128, 512).
 
@@ -49,8 +52,8 @@ from .numerics import (
     unpack_nibbles,
 )
 
-__all__ = ["QuantFormat", "FORMATS", "get_format", "bytes_per_entry", "encode", "decode",
-           "quant_dequant"]
+__all__ = ["QuantFormat", "FORMATS", "V4Fp8Format", "V4_FP8", "EXTRA_FORMATS", "get_format",
+           "bytes_per_entry", "encode", "decode", "quant_dequant"]
 
 
 @dataclass(frozen=True)
@@ -96,18 +99,121 @@ _INDEX_AMAX_FLOOR = 6.0 * 2.0 ** -126        # exact in float32
 _WINDOW_AMAX_FLOOR = 1e-4                    # compared in float32 (torch casts the scalar)
 
 
-def get_format(fmt: str | QuantFormat) -> QuantFormat:
-    if isinstance(fmt, QuantFormat):
+# ---------------------------------------------------------------------------------------------
+# v4_fp8: DeepSeek V4 "MODEL1" FP8 sparse entry (kv-layouts.md section 2), the V4-Flash main KV
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class V4Fp8Format:
+    """DeepSeek V4's main-KV entry: FP8 NoPE + BF16 RoPE + UE8M0 per 64 NoPE dims + 1 pad byte.
+
+    An entry of ``dim`` values is split into the NoPE part (the first ``dim - rope`` dims) and the
+    RoPE part (the last ``rope`` = 64 dims, as in V4 where head_dim 512 = 448 + 64). Entry layout,
+    contiguous (584 B at dim 512)::
+
+        [0, nope)                     nope x E4M3        (q = E4M3_RNE(x / s_tile))
+        [nope, nope + 2*rope)         rope x BF16, little-endian, not quantized (RNE cast)
+        [.., + nope/64)               one UE8M0 scale per 64 NoPE dims
+        [last]                        1 pad byte (0)
+
+    FlashMLA's paged MODEL1 cache splits a page into all tokens' data rows (576 B) followed by all
+    tokens' scale rows (8 B); that is a page layout of these same bytes, not a different entry.
+    Scale (FlashMLA test rule): s = 2^ceil(log2(max(amax / 448, 1e-4))) as UE8M0 (exact powers of
+    two not bumped; a NaN or inf in the tile gives byte 255, decoding to a NaN tile).
+    Any ``dim = 64 + 64k`` (k >= 1) works: 128 -> 194 B, 512 -> 584 B.
+
+    Not part of ``FORMATS`` (the three V4.1 formats): ``get_format("v4_fp8")`` and the module
+    functions accept it.
+    """
+
+    name: str = "v4_fp8"
+    rope: int = 64
+    block: int = 64
+    default_dim: int = 512
+    element: str = "e4m3+bf16"
+    scale: str = "ue8m0"
+
+    def check_dim(self, dim: int) -> int:
+        if (not isinstance(dim, int) or dim <= self.rope
+                or (dim - self.rope) % self.block != 0):
+            raise ValueError(f"{self.name}: dim {dim} must be {self.rope} RoPE dims plus a positive "
+                             f"multiple of the block {self.block} (NoPE dims)")
+        return dim
+
+    def nope(self, dim: int) -> int:
+        return self.check_dim(dim) - self.rope
+
+    def data_bytes(self, dim: int) -> int:
+        return self.nope(dim) + 2 * self.rope
+
+    def scale_bytes(self, dim: int) -> int:
+        return self.nope(dim) // self.block + 1          # scales + 1 pad byte
+
+    def bytes_per_entry(self, dim: int | None = None) -> int:
+        dim = self.default_dim if dim is None else dim
+        return self.data_bytes(dim) + self.scale_bytes(dim)
+
+
+V4_FP8 = V4Fp8Format()
+EXTRA_FORMATS: dict[str, V4Fp8Format] = {"v4_fp8": V4_FP8}
+_V4_FLOOR = 1e-4                               # on amax / 448 (FlashMLA MODEL1 test quantizer)
+
+
+def _v4_split(x: torch.Tensor, f: V4Fp8Format):
+    """float [..., dim] -> (NoPE tiles float32 [..., nope/64, 64], RoPE float32 [..., rope])."""
+    dim = f.check_dim(x.shape[-1]) if x.dim() > 0 else f.check_dim(0)
+    x = x.detach().to(torch.float32)
+    nope = dim - f.rope
+    return x[..., :nope].reshape(*x.shape[:-1], nope // f.block, f.block), x[..., nope:]
+
+
+def _v4_scale_bytes(xt: torch.Tensor) -> torch.Tensor:
+    amax = xt.abs().amax(dim=-1)                         # NaN propagates
+    y = amax / E4M3_MAX
+    return ue8m0_ceil(torch.where(y < _V4_FLOOR, torch.full_like(y, _V4_FLOOR), y))
+
+
+def _v4_encode(x: torch.Tensor, f: V4Fp8Format) -> torch.Tensor:
+    xt, rope = _v4_split(x, f)
+    sb = _v4_scale_bytes(xt)
+    q = e4m3_encode(xt / ue8m0_decode(sb).unsqueeze(-1), inplace=True)
+    lead, nope = xt.shape[:-2], xt.shape[-2] * f.block
+    rb = rope.to(torch.bfloat16).contiguous().view(torch.uint8)         # little-endian pairs
+    pad = torch.zeros(*lead, 1, dtype=torch.uint8, device=x.device)
+    return torch.cat((q.reshape(*lead, nope), rb.reshape(*lead, 2 * f.rope), sb, pad), dim=-1)
+
+
+def _v4_decode(b: torch.Tensor, f: V4Fp8Format, dim: int) -> torch.Tensor:
+    nope = f.nope(dim)
+    lead = b.shape[:-1]
+    q = e4m3_decode(b[..., :nope]).reshape(*lead, nope // f.block, f.block)
+    rope = b[..., nope: nope + 2 * f.rope].contiguous().view(torch.bfloat16).to(torch.float32)
+    sb = b[..., nope + 2 * f.rope: nope + 2 * f.rope + nope // f.block]
+    q = q.mul_(ue8m0_decode(sb).unsqueeze(-1)).reshape(*lead, nope)
+    return torch.cat((q, rope), dim=-1)
+
+
+def _v4_quant_dequant(x: torch.Tensor, f: V4Fp8Format) -> torch.Tensor:
+    xt, rope = _v4_split(x, f)
+    s = ue8m0_decode(_v4_scale_bytes(xt)).unsqueeze(-1)
+    q = e4m3_round(xt / s, inplace=True).mul_(s).reshape(*xt.shape[:-2], xt.shape[-2] * f.block)
+    return torch.cat((q, rope.to(torch.bfloat16).to(torch.float32)), dim=-1).reshape(x.shape)
+
+
+def get_format(fmt: str | QuantFormat | V4Fp8Format) -> QuantFormat | V4Fp8Format:
+    if isinstance(fmt, (QuantFormat, V4Fp8Format)):
         return fmt
     try:
-        return FORMATS[fmt]
-    except KeyError:
-        raise ValueError(f"unknown KV format {fmt!r}; known: {sorted(FORMATS)}") from None
+        return FORMATS[fmt] if fmt in FORMATS else EXTRA_FORMATS[fmt]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown KV format {fmt!r}; known: "
+                         f"{sorted(FORMATS) + sorted(EXTRA_FORMATS)}") from None
 
 
 def bytes_per_entry(fmt: str | QuantFormat, dim: int) -> int:
     """Bytes of one encoded entry of ``dim`` values (288 for kv_fp4/512, 68 for index_fp4/128,
-    528 for window_fp8/512)."""
+    528 for window_fp8/512, 584 for v4_fp8/512)."""
     return get_format(fmt).bytes_per_entry(dim)
 
 
@@ -154,6 +260,8 @@ def _scale_values(sb: torch.Tensor, f: QuantFormat) -> torch.Tensor:
 def encode(x: torch.Tensor, fmt: str | QuantFormat) -> torch.Tensor:
     """float [..., dim] -> uint8 [..., bytes_per_entry(fmt, dim)], layout [elements][scales]."""
     f = get_format(fmt)
+    if isinstance(f, V4Fp8Format):
+        return _v4_encode(x, f)
     xt = _tiles(x, f)
     sb = _scale_bytes(xt, f)
     t = xt / _scale_values(sb, f)
@@ -174,6 +282,8 @@ def decode(b: torch.Tensor, fmt: str | QuantFormat, dim: int) -> torch.Tensor:
     if b.dim() == 0 or b.shape[-1] != nbytes:
         raise ValueError(f"{f.name}: an entry of dim {dim} has {nbytes} bytes, got shape "
                          f"{tuple(b.shape)}")
+    if isinstance(f, V4Fp8Format):
+        return _v4_decode(b, f, dim)
     nd = f.data_bytes(dim)
     lead = b.shape[:-1]
     data, sb = b[..., :nd], b[..., nd:]
@@ -193,6 +303,8 @@ def quant_dequant(x: torch.Tensor, fmt: str | QuantFormat | None) -> torch.Tenso
     if fmt is None or fmt == "none":
         return x
     f = get_format(fmt)
+    if isinstance(f, V4Fp8Format):
+        return _v4_quant_dequant(x, f)
     xt = _tiles(x, f)
     s = _scale_values(_scale_bytes(xt, f), f)
     t = xt / s

@@ -1,0 +1,5 @@
+import sys
+
+from cedlm.bench.cli import main
+
+sys.exit(main())

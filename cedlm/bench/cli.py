@@ -1,0 +1,66 @@
+"""`cedlm bench`: run the benchmark suite (see BENCHMARKS.md)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+FULL_OUT = Path("bench/results")
+QUICK_OUT = Path("bench/results/quick")
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes (a smoke test; minutes, results under bench/results/quick)")
+    p.add_argument("--only", metavar="NAME,...",
+                   help="figures to run: kv_bytes, capacity, prefill, decode, resume, formats, peer")
+    p.add_argument("--out", type=Path, metavar="DIR",
+                   help=f"results directory (default {FULL_OUT}, or {QUICK_OUT} with --quick)")
+    p.add_argument("--md", type=Path, metavar="PATH",
+                   help="BENCHMARKS.md to update (default ./BENCHMARKS.md for full runs into the "
+                        "default directory, else DIR/BENCHMARKS.md)")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch intra-op threads (default 1)")
+    p.add_argument("--no-install", action="store_true",
+                   help="peer figure: do not pip-install transformers when it is absent (skip)")
+    p.add_argument("--no-profile", action="store_true", help="do not profile missed targets")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="run the benchmark suite (JSON, plots, BENCHMARKS.md)",
+                              description=__doc__)
+    _add_arguments(p)
+    return p
+
+
+def run(args) -> int:
+    from cedlm.bench.common import Ctx
+    from cedlm.bench.runner import run_figures, select
+    if args.threads < 1:
+        raise SystemExit("cedlm bench: error: --threads must be >= 1")
+    try:
+        names = select(args.only)
+    except ValueError as e:
+        raise SystemExit(f"cedlm bench: error: {e}")
+    out = args.out or (QUICK_OUT if args.quick else FULL_OUT)
+    md = args.md
+    if md is None:
+        md = Path("BENCHMARKS.md") if args.out is None and not args.quick else out / "BENCHMARKS.md"
+    ctx = Ctx(quick=args.quick, out=out, threads=args.threads, install=not args.no_install,
+              profile=not args.no_profile, seed=args.seed, log=lambda s: print(s, flush=True))
+    results = run_figures(names, ctx, md)
+    print(f"results: {out}/  report: {md}")
+    return 1 if any(r.get("error") for r in results) else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="cedlm bench", description=__doc__)
+    _add_arguments(p)
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""Shared pieces of the benchmark suite: environment, timing, models, synthetic caches, output.
+
+Every figure is a ratio of two measurements taken in the same run on the same machine; times are
+medians of repeated runs (time.perf_counter, after warm-up). Models are built from the presets
+with random weights (fixed seed): the benchmarks time work and count bytes, neither depends on
+trained values.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cedlm.config import ModelConfig
+
+SCHEMA = 1
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+# ============================================================================ environment
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def git_commit() -> tuple[str | None, bool | None]:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
+        return head, dirty
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+def env_block() -> dict:
+    head, dirty = git_commit()
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": head,
+        "git_dirty": dirty,
+        "loadavg_at_start": load,
+    }
+
+
+# ============================================================================ context
+@dataclass
+class Ctx:
+    """What a figure gets: sizes (quick or full), output directory, options, shared models."""
+    quick: bool = False
+    out: Path = Path("bench/results")
+    threads: int = 1
+    install: bool = True                 # peer figure: pip-install transformers if absent
+    profile: bool = True                 # profile figures that miss their target
+    seed: int = 0
+    log: object = print
+    _models: dict = field(default_factory=dict)
+
+    def size(self, full, quick):
+        return quick if self.quick else full
+
+    # ---------------------------------------------------------------- models (cached per run)
+    def ced(self):
+        return self._model("ced", lambda: _build_ced(small_config(), self.seed))
+
+    def twin(self):
+        from cedlm.model.twin import TwinModel
+
+        def build():
+            torch.manual_seed(self.seed)
+            return TwinModel(small_config()).eval()
+        return self._model("twin", build)
+
+    def v4(self):
+        return self._model("v4", lambda: _build_ced(v4_style_config(small_config()), self.seed))
+
+    def _model(self, key, build):
+        if key not in self._models:
+            self._models[key] = build()
+        return self._models[key]
+
+
+def _build_ced(cfg: ModelConfig, seed: int):
+    from cedlm.model import CEDModel
+    torch.manual_seed(seed)
+    return CEDModel(cfg).eval()
+
+
+# ============================================================================ configs
+def small_config() -> ModelConfig:
+    return ModelConfig.preset("small")
+
+
+def v4_style_config(cfg: ModelConfig) -> ModelConfig:
+    """A same-size DeepSeek-V4-Flash-style twin of a CED config.
+
+    The leading SWA-only layers are kept; every later layer alternates CSA (ratio 4, with its own
+    indexer and index keys) and HCA (ratio 128, attends to all of its entries), as V4-Flash's
+    [0, 0] + [4, 128] * 20 + [4]. Every compressed layer is its own KV source; ratio-4 layers are
+    the index sources; no decoder (every layer sees every token), no candidate pool. Main KV is
+    stored as `v4_fp8` (V4's MODEL1 entry: FP8 NoPE, BF16 RoPE, UE8M0 per 64). That layout keeps
+    64 BF16 RoPE dims, so the twin's qk_rope_head_dim is 64 (the small preset has 32 of 128). V4
+    has no Engram and no DSpark: none here. Width, depth, heads, MoE, window and formats of the
+    window and index keys are those of `cfg`.
+    """
+    L = cfg.n_layers
+    n_swa = 0
+    while n_swa < L and cfg.compress_ratios[n_swa] == 0:
+        n_swa += 1
+    ratios = [0] * n_swa + [4 if (i - n_swa) % 2 == 0 else 128 for i in range(n_swa, L)]
+    ratios += [0] * cfg.num_nextn_predict_layers
+    kv_src = [i for i in range(L) if ratios[i] > 0]
+    idx_src = [i for i in range(L) if ratios[i] == 4]
+    out = cfg.replace(
+        compress_ratios=ratios, kv_source_layer_ids=kv_src, index_source_layer_ids=idx_src,
+        candidate_source_layer_id=None, main_kv_format="v4_fp8", qk_rope_head_dim=64,
+        engram_layer_ids=[], engram_num_embeddings=[], dspark_target_layer_ids=[],
+        family="v4", model_type="deepseek_v4")
+    # V4-family configs serialise their flat source dict (to_dict); this one has none: record
+    # every field, so fingerprints and `to_dict` work.
+    flat = {f.name: copy.deepcopy(getattr(out, f.name)) for f in dataclasses.fields(out)
+            if f.name != "extra"}
+    out.extra = {"flat": flat}
+    return out
+
+
+# ============================================================================ timing
+def measure(fn, repeats: int, warmup: int = 1, setup=None) -> list[float]:
+    """Seconds of `fn(setup())` per run (setup, if any, runs outside the timed region)."""
+    times = []
+    for i in range(warmup + repeats):
+        arg = setup() if setup is not None else None
+        t0 = time.perf_counter()
+        fn(arg) if setup is not None else fn()
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt)
+    return times
+
+
+def stats(times: list[float]) -> dict:
+    """median, min, max and relative spread ((max-min)/median) of a list of seconds."""
+    med = statistics.median(times)
+    return {"median_s": med, "min_s": min(times), "max_s": max(times), "n": len(times),
+            "spread": (max(times) - min(times)) / med if med > 0 else 0.0, "runs_s": times}
+
+
+# ============================================================================ synthetic caches
+def _fill_rows(n: int, dim: int, fmt: str, g: torch.Generator, pool: int = 512) -> torch.Tensor:
+    """n encoded entries of `dim` values: `pool` random N(0,1) rows encoded, tiled to n rows.
+
+    Values of the right format and distribution (RMS 1, as kv_norm / k_norm outputs are), so no
+    NaN/inf/denormal codes; timing depends on sizes, not values."""
+    from cedlm.quant import encode
+    base = encode(torch.randn(min(max(n, 1), pool), dim, generator=g), fmt)
+    reps = -(-n // base.shape[0])
+    return base.repeat(reps, 1)[:n].contiguous()
+
+
+def synth_ced_state(model, context: int, seed: int = 0, margin: int = 64):
+    """A SequenceState of `context` tokens built directly (no prefill): random token ids, every
+    source's main KV and index-key rows (context // ratio entries, valid encodings of random
+    values), pending compressor rows of the incomplete group (random fp32), and every layer's
+    window ring full (the last n_win positions). Same shapes and bytes as after a real prefill."""
+    from cedlm.model.state import ByteRows
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(seed)
+    st = model.new_state()
+    st.num_tokens = context
+    st.token_ids = torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist()
+    for kind, store, fmt, dim in (("kv", st.kv, cfg.main_kv_format, cfg.head_dim),
+                                  ("idx", st.index, cfg.index_kv_format, cfg.index_head_dim)):
+        for s, rows in store.items():
+            n = context // cfg.compress_ratios[s]
+            new = ByteRows(rows.width, capacity=n + margin)
+            new.append(_fill_rows(n, dim, fmt, g))
+            store[s] = new
+    for s in st.pending:
+        k = context % cfg.compress_ratios[s]
+        st.pending[s] = (torch.randn(k, cfg.head_dim, generator=g),
+                         torch.randn(k, cfg.head_dim, generator=g))
+    win = cfg.sliding_window
+    pos = torch.arange(max(0, context - win), context)
+    for l in range(cfg.n_layers):
+        st.window[l][pos % win] = _fill_rows(pos.numel(), cfg.head_dim, cfg.window_kv_format, g)
+        st.window_pos[l][pos % win] = pos
+    return st
+
+
+def synth_twin_state(model, context: int, seed: int = 0, margin: int = 64):
+    """A TwinState of `context` tokens: BF16 K and V of every layer filled with N(0,1) values."""
+    from cedlm.model.twin import TwinState
+    g = torch.Generator().manual_seed(seed)
+    st = TwinState(model.cfg, capacity=context + margin)
+    for l in range(model.cfg.n_layers):
+        st.kv[l, :, :context] = torch.randn(2, context, model.cfg.head_dim, generator=g).to(torch.bfloat16)
+    st.n = context
+    return st
+
+
+# ============================================================================ output
+def write_json(out: Path, name: str, result: dict) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    p = out / f"{name}.json"
+    tmp = p.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
+    os.replace(tmp, p)
+    return p
+
+
+def _jsonable(o):
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def md_table(header: list[str], rows: list[list]) -> str:
+    """A GitHub-markdown table (also readable as plain text)."""
+    cells = [[str(c) for c in header]] + [[_fmt(c) for c in r] for r in rows]
+    w = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |"
+    sep = "|" + "|".join("-" * (x + 2) for x in w) + "|"
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def _fmt(c) -> str:
+    if isinstance(c, float):
+        if c == 0:
+            return "0"
+        if abs(c) >= 1000:
+            return f"{c:,.0f}"
+        if abs(c) >= 10:
+            return f"{c:.1f}"
+        if abs(c) >= 0.01:
+            return f"{c:.3f}"
+        return f"{c:.2e}"
+    if isinstance(c, int) and not isinstance(c, bool):
+        return f"{c:,}"
+    return str(c)
+
+
+def target(metric: str, op: str, value: float, measured: float | None, note: str = "") -> dict:
+    met = None
+    if measured is not None:
+        met = {"<=": lambda: measured <= value, ">=": lambda: measured >= value,
+               "==": lambda: measured == value}[op]()
+    return {"metric": metric, "op": op, "value": value, "measured": measured, "met": met,
+            "note": note}
+
+
+def plt():
+    """matplotlib.pyplot with the Agg backend, or None when matplotlib is absent."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as pyplot
+        return pyplot
+    except ImportError:
+        return None

@@ -1,0 +1,71 @@
+"""Run figures: time each, attach the environment, write JSON + PNG, print the table, update
+BENCHMARKS.md."""
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from cedlm.bench import capacity, decode, formats, kv_bytes, peer, prefill, resume
+from cedlm.bench.common import SCHEMA, Ctx, env_block, write_json
+from cedlm.bench.report import update_md
+
+FIGURES = {m.NAME: m for m in (kv_bytes, capacity, prefill, decode, resume, formats, peer)}
+
+
+def select(only: str | None) -> list[str]:
+    if not only:
+        return list(FIGURES)
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    bad = [n for n in names if n not in FIGURES]
+    if bad:
+        raise ValueError(f"--only: unknown figure(s) {bad}; choose from {list(FIGURES)}")
+    return [n for n in FIGURES if n in names]
+
+
+def run_figures(names: list[str], ctx: Ctx, md_path: Path | None) -> list[dict]:
+    torch.set_num_threads(ctx.threads)
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    done = []
+    for name in names:
+        mod = FIGURES[name]
+        ctx.log(f"== {name}: {mod.TITLE} ({'quick' if ctx.quick else 'full'} sizes, "
+                f"{torch.get_num_threads()} thread(s))")
+        env = env_block()
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                res = mod.run(ctx)
+        except Exception as e:                      # record the failure, go on with the rest
+            traceback.print_exc()
+            res = {"error": f"{type(e).__name__}: {e}", "config": {}, "rows": [],
+                   "target": {"metric": "", "op": "==", "value": True, "measured": None,
+                              "met": None, "note": "the figure failed"}}
+        res = {"name": name, "title": mod.TITLE, "schema": SCHEMA, "quick": ctx.quick, "env": env,
+               **res, "elapsed_s": time.perf_counter() - t0}
+        res["plot"] = None
+        if not res.get("error") and not res.get("skipped"):
+            png = ctx.out / f"{name}.png"
+            try:
+                if mod.plot(res, png):
+                    res["plot"] = png.name
+            except Exception as e:                  # a plot must not lose the numbers
+                res.setdefault("notes", []).append(f"plot failed: {type(e).__name__}: {e}")
+        write_json(ctx.out, name, res)
+        if res.get("error"):
+            ctx.log(f"   FAILED: {res['error']}")
+        elif res.get("skipped"):
+            ctx.log(f"   {res['skipped']}")
+        else:
+            ctx.log(mod.table(res))
+            t = res.get("targets") or {"": res["target"]}
+            for k, tt in t.items():
+                ctx.log(f"   target{' ' + k if k else ''}: {tt['metric']} {tt['op']} {tt['value']}; "
+                        f"measured {tt['measured']}; met: {tt['met']}")
+        ctx.log(f"   ({res['elapsed_s']:.1f} s)\n")
+        if md_path is not None:
+            update_md(md_path, ctx.out, [(res, mod)], FIGURES)
+        done.append(res)
+    return done
