@@ -327,6 +327,31 @@ class _HTTPMetrics:
 # --------------------------------------------------------------------------- the app
 
 
+
+async def _collect(job, want_top: bool):
+    """A non-streaming request's events until it finishes: (text, token ids, logprobs, top
+    logprobs or None, finish reason); None when the client went away (the job is aborted)."""
+    text_out, out_ids, lps, tops, reason = "", [], [], ([] if want_top else None), None
+    try:
+        while True:
+            ev = await job.next()
+            if ev is None:
+                return None
+            if isinstance(ev, Failed):
+                raise APIError.from_failed(ev)
+            if isinstance(ev, Delta):
+                text_out += ev.text
+                out_ids += ev.token_ids
+                lps += ev.logprobs
+                if tops is not None and ev.top_logprobs:
+                    tops += ev.top_logprobs
+            elif isinstance(ev, Finished):
+                reason = ev.reason
+                break
+    finally:
+        job.close()
+    return text_out, out_ids, lps, tops, reason
+
 def create_app(llm_or_engine, *, served_model_name: str | None = None,
                aliases: AliasTable | dict[str, str] | None = None, api_key: str | None = None,
                max_waiting: int | None = None, queue_timeout: float | None = 30.0,
@@ -447,25 +472,10 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
                              reasoning_tokens=srv.reasoning_tokens(out_ids, thinking)))
 
         if not body.stream:
-            text_out, out_ids, lps, tops, reason = "", [], [], [] if body.top_logprobs else None, None
-            try:
-                while True:
-                    ev = await job.next()
-                    if ev is None:
-                        return Response(status_code=499)
-                    if isinstance(ev, Failed):
-                        raise APIError.from_failed(ev)
-                    if isinstance(ev, Delta):
-                        text_out += ev.text
-                        out_ids += ev.token_ids
-                        lps += ev.logprobs
-                        if tops is not None and ev.top_logprobs:
-                            tops += ev.top_logprobs
-                    elif isinstance(ev, Finished):
-                        reason = ev.reason
-                        break
-            finally:
-                job.close()
+            got = await _collect(job, bool(body.top_logprobs))
+            if got is None:
+                return Response(status_code=499)
+            text_out, out_ids, lps, tops, reason = got
             reasoning, content = parse_assistant(text_out, thinking=True) if thinking else ("", text_out)
             tool_calls = None
             if body.tools:
@@ -549,25 +559,10 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
 
         want_top = bool(body.logprobs)
         if not body.stream:
-            text_out, out_ids, lps, tops, reason = "", [], [], ([] if want_top else None), None
-            try:
-                while True:
-                    ev = await job.next()
-                    if ev is None:
-                        return Response(status_code=499)
-                    if isinstance(ev, Failed):
-                        raise APIError.from_failed(ev)
-                    if isinstance(ev, Delta):
-                        text_out += ev.text
-                        out_ids += ev.token_ids
-                        lps += ev.logprobs
-                        if tops is not None and ev.top_logprobs:
-                            tops += ev.top_logprobs
-                    elif isinstance(ev, Finished):
-                        reason = ev.reason
-                        break
-            finally:
-                job.close()
+            got = await _collect(job, want_top)
+            if got is None:
+                return Response(status_code=499)
+            text_out, out_ids, lps, tops, reason = got
             lp = srv.completion_logprobs(out_ids, lps, tops, 0) if body.logprobs is not None else None
             resp = CompletionResponse(id=job.rid, created=created, model=resolved.requested,
                                       choices=[CompletionChoice(text=text_out, logprobs=lp, finish_reason=reason)],
