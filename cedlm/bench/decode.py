@@ -25,7 +25,7 @@ def _steps(model, st, steps: int, warmup: int) -> dict:
 
 def run(ctx: Ctx) -> dict:
     contexts = ctx.size([1024, 2048, 4096, 8192, 16384, 32768], [512, 1024, 2048])
-    steps, warm = ctx.size(15, 3), ctx.size(3, 1)
+    steps, warm = ctx.size(21, 3), ctx.size(3, 1)
     ced, twin = ctx.ced(), ctx.twin()
     rows = []
     for C in contexts:

@@ -22,7 +22,7 @@ FMTS = (("kv_fp4", 512), ("index_fp4", 128), ("window_fp8", 512), ("v4_fp8", 512
 def run(ctx: Ctx) -> dict:
     from cedlm.quant import bytes_per_entry, decode, encode
     n_values = ctx.size(1 << 23, 1 << 20)                   # float32 values per call
-    reps, warm = ctx.size(7, 3), 1
+    reps, warm = ctx.size(9, 3), 1
     rows = []
     g = torch.Generator().manual_seed(ctx.seed)
     for fmt, dim in FMTS:

@@ -121,7 +121,7 @@ def plot(res: dict, path) -> bool:
     ax.set_yticks(list(y), labels, fontsize=7)
     ax.invert_yaxis()
     for i, v in enumerate(vals):
-        ax.text(v, i, f" {v:,.4g}", va="center", fontsize=7)
+        ax.text(v, i, f" {v:,.0f}" if v >= 1000 else f" {v:g}", va="center", fontsize=7)
     ax.set_xlabel("global KV bytes per token (log)")
     ax.set_title("KV bytes per token: official configs (grey, planner) and small presets (blue, allocated)")
     fig.tight_layout()

@@ -96,7 +96,7 @@ def _hf_cache(transformers, model, B: int, C: int, seed: int):
 def run(ctx: Ctx) -> dict:
     C = ctx.size(8192, 512)
     new = ctx.size(16, 3)
-    reps = ctx.size(3, 1)
+    reps = ctx.size(5, 1)
     batches = [1, 8]
     ced = ctx.ced()
     target_params = ced.num_parameters(exclude_engram=True)

@@ -20,7 +20,7 @@ CHUNK = 512
 
 def run(ctx: Ctx) -> dict:
     S = ctx.size(8192, 2048)
-    reps = ctx.size(3, 1)
+    reps = ctx.size(5, 1)
     ced, twin = ctx.ced(), ctx.twin()
     ids = torch.randint(0, ced.cfg.vocab_size, (S,), generator=torch.Generator().manual_seed(ctx.seed))
     warm = ids[:256]

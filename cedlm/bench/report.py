@@ -22,7 +22,7 @@ measurements taken in the same run on the same machine (medians of repeated runs
 weights (seeded): the benchmarks time work and count bytes, neither depends on trained values.
 Byte counts are asserted equal to the planner's formulas (`cedlm.plan`).
 
-Reproduce everything (about 25 minutes on 2 cores):
+Reproduce everything (about 10 minutes with the default single thread on this 2-core machine):
 
     cedlm bench                          # full sizes, --threads 1, results in bench/results
     cedlm bench --only decode,resume     # some figures

@@ -43,7 +43,7 @@ def run(ctx: Ctx) -> dict:
     from cedlm.engine.session import SESSION_PREFIX, restore_session, save_session, session_record
 
     C = ctx.size(32768, 2048)
-    reps = ctx.size(3, 1)
+    reps = ctx.size(5, 1)
     ced, v4 = ctx.ced(), ctx.v4()
     fp = model_fingerprint(ced.cfg.to_dict(), ced.state_dict())
     fp4 = model_fingerprint(v4.cfg.to_dict(), None)
@@ -94,7 +94,7 @@ def run(ctx: Ctx) -> dict:
         from cedlm.engine.session import state_from_record
         times["store_read"] = measure(
             lambda: state_from_record(ced, store.get(SESSION_PREFIX + "ced"), fp), reps, 0)
-        n_pre = ctx.size(1, 1)
+        n_pre = ctx.size(2, 1)
         times["reprefill"] = measure(lambda s: ced.prefill(ids, s, "bounded", chunk_size=512),
                                      n_pre, 0, ced.new_state)
         ctx.log(f"  re-prefill {C}: {times['reprefill'][0]:.1f} s")
