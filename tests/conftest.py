@@ -78,3 +78,10 @@ def redis_url(tmp_path_factory):
         log.close()
         last_err = (workdir / f"redis-{port}.log").read_text(errors="replace")[-2000:]
     pytest.fail(f"could not start redis-server ({exe}):\n{last_err}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The shipped 4096-token tokenizer (training and evaluation tests)."""
+    from cedlm.text.tokenizer import load_tokenizer
+    return load_tokenizer("default")

@@ -15,27 +15,12 @@ from safetensors.torch import load_file
 from cedlm.config import ModelConfig
 from cedlm.data.corpus import write_documents
 from cedlm.model.model import CEDModel
-from cedlm.text.tokenizer import load_tokenizer
 from cedlm.train import checkpoint as ck
 from cedlm.train.data import BatchSampler, cache_path, token_cache, val_batches, val_windows
 from cedlm.train.train import build_parser, lr_at, resolve_args, train
 
 FIX = Path(__file__).parent / "fixtures" / "corpus"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: deterministic speed on a shared 2-core machine (train() sets it too)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("default")
 
 
 @pytest.fixture(scope="module")
