@@ -75,7 +75,7 @@ def _prefix_across_engines(tiny, store_a, store_b):
     out_a = a.generate([shared + [5, 6, 7]], sp)[0]
     b = LLM(tiny, store=store_b, block_tokens=8, prefill_mode="exact", replay_mode="exact")
     out_b = b.generate([shared + [5, 6, 7]], sp)[0]
-    assert b.engine.counters["store_block_hits"] == 6             # 48 tokens / 8 from the store
+    assert b.engine.kv.stats["store_block_hits"] == 6             # 48 tokens / 8 from the store
     assert b.engine.counters["encoder_tokens"] == 3               # only the suffix was encoded
     assert out_b.token_ids == out_a.token_ids
     return b
@@ -100,4 +100,4 @@ def test_other_model_never_uses_the_blocks(tiny, tmp_path):
     other = CEDModel(tiny.cfg).eval()
     b = LLM(other, store=store, block_tokens=8)
     b.generate([_prompt(40, 5)], sp)
-    assert b.engine.counters["store_block_hits"] == 0
+    assert b.engine.kv.stats["store_block_hits"] == 0

@@ -1,8 +1,8 @@
-"""The scheduler over integers, with a fake allocator: no model involved."""
+"""The scheduler over integers, with a fake KV cache manager: no model involved."""
 import pytest
 
 from cedlm.engine.request import Request, Status
-from cedlm.engine.sampler import SamplingParams
+from cedlm.engine.sampling_params import SamplingParams
 from cedlm.engine.scheduler import RequestRejected, Scheduler
 
 
@@ -10,13 +10,13 @@ class FakeAlloc:
     def __init__(self, blocks, bt, hits=None):
         self.free, self.bt, self.held, self.hits = blocks, bt, {}, hits or {}
 
-    def admit(self, req):
+    def get_computed_blocks(self, req):
         h = self.hits.get(req.request_id, 0)
         self.held[req.request_id] = h // self.bt
         self.free -= h // self.bt
         req.num_cached = req.num_prefix_hit = h
 
-    def reserve(self, req, tokens):
+    def allocate_slots(self, req, tokens):
         need = -(-tokens // self.bt) - self.held.get(req.request_id, 0)
         if need > self.free:
             return False
@@ -24,7 +24,7 @@ class FakeAlloc:
         self.held[req.request_id] = self.held.get(req.request_id, 0) + max(need, 0)
         return True
 
-    def release(self, req):
+    def free(self, req):
         self.free += self.held.pop(req.request_id, 0)
 
 

@@ -11,46 +11,30 @@ Plain Python over integers, apart from the byte tensors themselves.
 from __future__ import annotations
 
 from collections import OrderedDict
-from math import lcm
 
 import torch
 
-from cedlm.config import ModelConfig
-from cedlm.quant import bytes_per_entry
+from cedlm.kv_layout import KVLayout
 
 
 class NoFreeBlocks(RuntimeError):
     """The pool is exhausted (the scheduler preempts or waits)."""
 
 
-def kinds_of(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
-    """(kind, source layer, ratio, row width) of every row kind a block holds."""
-    out = [("kv", s, cfg.compress_ratios[s], bytes_per_entry(cfg.main_kv_format, cfg.head_dim))
-           for s in cfg.kv_source_layer_ids]
-    out += [("idx", s, cfg.compress_ratios[s], bytes_per_entry(cfg.index_kv_format, cfg.index_head_dim))
-            for s in cfg.index_key_layer_ids]
-    return out
-
-
-def min_block_tokens(cfg: ModelConfig) -> int:
-    return lcm(*[cfg.compress_ratios[s] for s in cfg.kv_source_layer_ids]) if cfg.kv_source_layer_ids else 1
-
-
 class BlockPool:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_tokens: int = 64):
-        m = min_block_tokens(cfg)
-        if block_tokens <= 0 or block_tokens % m:
-            raise ValueError(f"block_tokens: {block_tokens} must be a positive multiple of {m} "
-                             "(every compress ratio divides it)")
+    def __init__(self, layout: KVLayout, num_blocks: int, block_tokens: int = 64):
+        layout.check_block_tokens(block_tokens)
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
-        self.cfg, self.num_blocks, self.block_tokens = cfg, num_blocks, block_tokens
+        self.layout, self.num_blocks, self.block_tokens = layout, num_blocks, block_tokens
         self.data: dict[tuple[str, int], torch.Tensor] = {}
         self.per_block: dict[tuple[str, int], int] = {}
-        for kind, src, r, width in kinds_of(cfg):
-            self.per_block[(kind, src)] = block_tokens // r
-            self.data[(kind, src)] = torch.zeros(num_blocks, block_tokens // r, width, dtype=torch.uint8)
-        self.bytes_per_block = sum(t[0].numel() for t in self.data.values())
+        for spec in layout.rows:
+            n = spec.entries_per_block(block_tokens)
+            self.per_block[spec.key] = n
+            self.data[spec.key] = torch.zeros(num_blocks, n, spec.width, dtype=torch.uint8)
+        self.bytes_per_block = layout.bytes_per_block(block_tokens)
+        assert self.bytes_per_block == sum(t[0].numel() for t in self.data.values())
         self.ref = [0] * num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))     # pop() gives block 0 first
         self.hash_of: dict[int, bytes] = {}
@@ -74,9 +58,9 @@ class BlockPool:
 
     def bytes_in_use(self) -> dict[str, int]:
         """Bytes of blocks referenced by live sequences, split into main KV and index keys."""
-        used = self.num_used
-        main = sum(t[0].numel() for (k, _), t in self.data.items() if k == "kv")
-        return {"main_kv": used * main, "index_keys": used * (self.bytes_per_block - main)}
+        used, bt = self.num_used, self.block_tokens
+        return {"main_kv": used * self.layout.bytes_per_block_of("kv", bt),
+                "index_keys": used * self.layout.bytes_per_block_of("idx", bt)}
 
     # ---------------------------------------------------------------- allocation
     def allocate(self) -> int:
@@ -128,8 +112,8 @@ class BlockPool:
         return out
 
     def rows(self, table: "BlockTable"):
-        """Factory for SequenceState(rows=...): paged rows of each kind over one block table."""
-        return lambda kind, src, width: PagedRows(self, table, (kind, src), width)
+        """Factory for SequenceState(rows=...): paged rows of each row kind over one block table."""
+        return lambda spec: PagedRows(self, table, spec.key, spec.width)
 
 
 class BlockTable:

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cedlm.engine.sampler import SamplingParams
+from cedlm.engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
@@ -37,7 +37,7 @@ class Request:
     # engine-side objects (opaque to the scheduler)
     state: Any = None
     table: Any = None
-    prefill_iter: Any = None
+    prefill: Any = None                  # the PrefillRun in progress
     stop: Any = None
     generator: Any = None
     detok: Any = None

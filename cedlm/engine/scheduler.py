@@ -2,12 +2,12 @@
 
 Each engine step runs (a) one decode token for every running sequence and (b) one encoder chunk
 of at most `prefill_chunk` tokens for one prefilling sequence. Blocks are reserved BEFORE the
-model runs, through an allocator with three integer operations, so the model's cache appends
-never fail mid-forward:
+model runs, through the KV cache manager's integer verbs, so the model's cache appends never
+fail mid-forward:
 
-    allocator.admit(req)            -> prefix lookup at admission; may set req.num_cached
-    allocator.reserve(req, tokens)  -> bool: req holds blocks for `tokens` positions
-    allocator.release(req)          -> frees everything req holds
+    kv.get_computed_blocks(req)       -> prefix lookup at admission; sets req.num_cached
+    kv.allocate_slots(req, tokens)    -> bool: req holds blocks for `tokens` positions
+    kv.free(req)                      -> frees everything req holds
 
 When a running sequence cannot grow, the most recently admitted other sequence is preempted
 (its KV freed; it waits again at the front and is later recomputed from its token ids). A
@@ -39,13 +39,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, allocator, *, num_blocks: int, block_tokens: int, max_num_seqs: int,
+    def __init__(self, kv, *, num_blocks: int, block_tokens: int, max_num_seqs: int,
                  prefill_chunk: int, max_model_len: int):
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs: must be positive, got {max_num_seqs}")
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk: must be positive, got {prefill_chunk}")
-        self.alloc = allocator
+        self.kv = kv
         self.num_blocks, self.block_tokens = num_blocks, block_tokens
         self.max_num_seqs, self.prefill_chunk, self.max_model_len = max_num_seqs, prefill_chunk, max_model_len
         self.waiting: deque[Request] = deque()
@@ -77,14 +77,18 @@ class Scheduler:
             self.waiting.remove(req)
         if req in self.active:
             self.active.remove(req)
-            self.alloc.release(req)
+            self._release(req)
         req.status = Status.FINISHED
 
     def finish(self, req: Request) -> None:
         if req in self.active:
             self.active.remove(req)
-            self.alloc.release(req)
+            self._release(req)
         req.status = Status.FINISHED
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req)
+        req.state = req.prefill = None          # the engine's per-sequence objects go with it
 
     @property
     def has_work(self) -> bool:
@@ -97,7 +101,7 @@ class Scheduler:
     # ---------------------------------------------------------------- planning
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.active.remove(req)
-        self.alloc.release(req)
+        self._release(req)
         req.status = Status.WAITING
         req.num_cached = req.num_prefix_hit = 0
         req.num_preemptions += 1
@@ -110,7 +114,7 @@ class Scheduler:
         for req in [r for r in self.active if r.status is Status.RUNNING]:
             if req not in self.active:
                 continue                                  # preempted while serving an older one
-            while not self.alloc.reserve(req, req.num_cached + 1):
+            while not self.kv.allocate_slots(req, req.num_cached + 1):
                 victims = [r for r in self.active if r is not req and r not in out.decode]
                 if not victims:
                     self._preempt(req, out)
@@ -122,17 +126,17 @@ class Scheduler:
         pre = next((r for r in self.active if r.status is Status.PREFILLING), None)
         if pre is None and self.waiting and len(self.active) < self.max_num_seqs:
             cand = self.waiting[0]
-            self.alloc.admit(cand)
-            if self.alloc.reserve(cand, min(cand.num_tokens, cand.num_cached + self.prefill_chunk)):
+            self.kv.get_computed_blocks(cand)
+            if self.kv.allocate_slots(cand, min(cand.num_tokens, cand.num_cached + self.prefill_chunk)):
                 self.waiting.popleft()
                 cand.status = Status.PREFILLING
                 self.active.append(cand)
                 pre = cand
             else:
-                self.alloc.release(cand)                 # not now: wait for memory
+                self._release(cand)                 # not now: wait for memory
                 cand.num_cached = cand.num_prefix_hit = 0
         if pre is not None:
             n = min(self.prefill_chunk, pre.num_tokens - pre.num_cached)
-            if self.alloc.reserve(pre, pre.num_cached + n):
+            if self.kv.allocate_slots(pre, pre.num_cached + n):
                 out.prefill, out.prefill_tokens = pre, n
         return out

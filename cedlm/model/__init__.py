@@ -1,5 +1,6 @@
 """The V4.1 CED model (see model.py for the stack, one module per mechanism)."""
-from cedlm.model.model import PREFILL_MODES, CEDModel
+from cedlm.model.model import CEDModel
+from cedlm.model.replay import PREFILL_MODES
 from cedlm.model.state import SequenceState
 from cedlm.model.twin import TwinModel
 

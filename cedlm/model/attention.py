@@ -6,6 +6,8 @@ inverse RoPE on the rope dims at the query position, then the grouped low-rank p
 (wo_a per group of heads, wo_b). Per-layer role (from the config): 'swa' (window only), 'full'
 (compressor + index keys + own top-k), 'reindex' (own indexer queries inside the candidate pool),
 'reuse' (KV and indices of the latest sources at or below it; owns no cache).
+Entries come from the layer's `Compressor`, the sparse selection from its `Indexer` (or, on a
+Reuse layer, from the index source's selection of the same pass); caches from `KVCache`.
 """
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ from torch import nn
 
 from cedlm.config import ModelConfig
 from cedlm.model.compressor import Compressor
-from cedlm.model.indexer import NEG, Indexer, candidate_pool, topk_entries
+from cedlm.model.forward_batch import ForwardBatch
+from cedlm.model.indexer import NEG, Indexer
+from cedlm.model.kv_cache import KVCache
 from cedlm.model.norm import RMSNorm, rms
 from cedlm.model.rope import Rope
-from cedlm.model.step import Step, fq
+from cedlm.quant import store_round
 
 
 def attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool):
@@ -69,71 +73,33 @@ class Attention(nn.Module):
         self.wo_a = nn.Linear(H * hd // self.G, self.G * cfg.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(self.G * cfg.o_lora_rank, D, bias=False)
         if self.role == "full":
-            self.compressor = Compressor(cfg, self.ratio)
+            self.compressor = Compressor(cfg, layer_id)
         if layer_id in cfg.index_source_layer_ids:
-            self.indexer = Indexer(cfg, has_keys=layer_id in cfg.index_key_layer_ids)
-        theta = cfg.rope_theta_of(layer_id)
-        self.rope = Rope(cfg.qk_rope_head_dim, theta, cfg.rope_scaling if cfg.uses_yarn(layer_id) else None)
-        self.index_rope = Rope(min(cfg.qk_rope_head_dim, cfg.index_head_dim), theta,
-                               cfg.rope_scaling if cfg.uses_yarn(layer_id) else None)
+            self.indexer = Indexer(cfg, layer_id)
+        self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta_of(layer_id),
+                         cfg.rope_scaling if cfg.uses_yarn(layer_id) else None)
 
     # ---------------------------------------------------------------- KV production
     def window_rows(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         kv = self.rope.apply(self.kv_norm(self.wkv(x)), pos)
-        return fq(kv, self.cfg.window_kv_format, self.training)
+        return store_round(kv, self.cfg.window_kv_format, self.training)
 
-    def compress(self, x: torch.Tensor, step: Step) -> None:
-        """Produce this source's new entries (main KV + index keys) into the step's caches."""
-        cfg = self.cfg
-        has_keys = self.layer_id in cfg.index_key_layer_ids
-        for b in range(x.shape[0]):
-            p0 = int(step.pos[b, 0])
-            st = step.states[b] if step.states is not None else None
-            pending = st.pending.get(self.layer_id) if st is not None else None
-            lat, starts, pend = self.compressor.forward_rows(x[b], p0, pending)
-            if st is not None and pend is not None:
-                st.pending[self.layer_id] = (pend[0].detach(), pend[1].detach())
-            kv = fq(self.rope.apply(lat, starts), cfg.main_kv_format, self.training)
-            idx = None
-            if has_keys:
-                idx = self.index_rope.apply(self.indexer.keys(lat), starts)
-                idx = fq(idx, cfg.index_kv_format, self.training)
-            step.add_entries(self.layer_id, b, kv, idx)
+    def compress(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> None:
+        idx = self.indexer if hasattr(self, "indexer") and self.indexer.has_keys else None
+        self.compressor.compress(x, batch, cache, idx)
 
-    def write_global(self, x: torch.Tensor, step: Step) -> None:
+    def write_global(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> None:
         """Encoder pass of the global-KV source: window rows and global entries for every token."""
-        kv = self.window_rows(x, step.pos)
-        step.window(self.layer_id, kv)
-        step.push_stash(kv)
-        if not step.replay:
-            self.compress(x, step)
-
-    # ---------------------------------------------------------------- selection
-    def select(self, qr, x, step: Step):
-        """Top-k entry indices for this layer's queries: (idx [B,T,k], valid [B,T,k])."""
-        cfg, pos = self.cfg, step.pos
-        keys_src = self.src
-        if self.role in ("full", "reindex"):
-            keys, ends = step.index_keys(keys_src)
-            visible = ends.unsqueeze(1) <= pos.unsqueeze(-1)                  # [B, T, N]
-            q, w = self.indexer.queries(qr, x)
-            q = fq(self.index_rope.apply(q, pos.unsqueeze(-1)), cfg.index_kv_format, self.training)
-            score = Indexer.score(q, w, keys, visible)
-            cand = cfg.candidate_source_layer_id
-            if self.layer_id == cand:
-                step.pool = candidate_pool(score, visible.sum(-1), cfg.candidate_block_size,
-                                           cfg.candidate_topk_blocks)
-            elif step.pool is not None and cand is not None and cfg.kv_source_of(cand) == keys_src:
-                score = score.masked_fill(~step.pool, NEG)
-            sel = topk_entries(score.detach(), cfg.index_topk)
-            step.topk[self.layer_id] = sel
-            return sel
-        return step.topk[self.isrc]
+        kv = self.window_rows(x, batch.positions)
+        cache.window(self.layer_id, kv, batch.positions)
+        cache.push_stash(kv, batch.positions)
+        if not batch.replay:
+            self.compress(x, batch, cache)
 
     # ---------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x: normalised attention input [B, T, D] at positions step.pos -> [B, T, D]."""
-        cfg, pos = self.cfg, step.pos
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """x: normalised attention input [B, T, D] at batch.positions -> [B, T, D]."""
+        cfg, pos = self.cfg, batch.positions
         B, T, _ = x.shape
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.H, self.hd))                    # [B, T, H, hd]
@@ -141,31 +107,31 @@ class Attention(nn.Module):
             q = rms(q, cfg.rms_norm_eps)
         q = self.rope.apply(q, pos.unsqueeze(-1))
         if self.is_global_source:                   # window rows were written in the encoder pass
-            win_k, win_pos = step.global_window(self.layer_id)
+            win_k, win_pos = cache.global_window(self.layer_id)
         else:
-            win_k, win_pos = step.window(self.layer_id, self.window_rows(x, pos))
-            if self.role == "full" and not step.replay:
-                self.compress(x, step)
+            win_k, win_pos = cache.window(self.layer_id, self.window_rows(x, pos), pos)
+            if self.role == "full" and not batch.replay:
+                self.compress(x, batch, cache)
         qp, kp = pos.unsqueeze(-1), win_pos.unsqueeze(1)
         win_valid = (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)    # [B, T, W]
         comp_k = comp_valid = None
-        dense = step.states is None
         if self.ratio > 0:
-            ends = step.entry_ends(self.src)
             if self.sparse:
-                idx, valid = self.select(qr, x, step)
+                idx, valid = (self.indexer.select(qr, x, batch, cache) if self.role in ("full", "reindex")
+                              else batch.selection.topk[self.isrc])             # Reuse
             else:                                        # no indexer: every visible entry
+                ends = cache.entry_ends(self.src)
                 N = ends.shape[1]
                 idx = torch.arange(N).expand(B, T, N)
                 valid = ends.unsqueeze(1) <= pos.unsqueeze(-1)
-            if dense:
-                comp_k = step.all_kv(self.src)
+            if cache.dense:
+                comp_k = cache.all_kv(self.src)
                 comp_valid = torch.zeros(B, T, comp_k.shape[1], dtype=torch.bool)
                 comp_valid.scatter_(-1, idx, valid)
             else:
-                comp_k, comp_valid = step.gather_kv(self.src, idx), valid
+                comp_k, comp_valid = cache.gather_kv(self.src, idx), valid
         o = attend(q, win_k, win_valid, comp_k, comp_valid, self.attn_sink,
-                   self.hd ** -0.5, dense=dense)
+                   self.hd ** -0.5, dense=cache.dense)
         o = self.rope.apply(o, pos.unsqueeze(-1), inverse=True).to(x.dtype)
         # Grouped output: heads split into G contiguous groups, each projected to o_lora_rank.
         o = o.reshape(B, T, self.G, self.H // self.G * self.hd)                 # [B, T, G, H/G*hd]

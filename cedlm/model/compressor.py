@@ -4,7 +4,8 @@ Ratio r > 1 (CSA2 encoder, r = 2): `wkv` and `wgate` project each token (fp32); 
 softmax over the r tokens of a group (no overlap) weights the projections; `norm` follows. Entry
 g covers positions [g*r, g*r + r - 1] and is emitted when its last token arrives; an incomplete
 group waits in the sequence's pending state. Ratio 1 (the decoder's global KV): norm(wkv(x)).
-RoPE and quantisation are applied by the caller at the group's first position.
+An entry's main KV is its latent with RoPE at the group's first position, rounded to the main-KV
+format; the layer's indexer derives the entry's index key from the same latent.
 """
 from __future__ import annotations
 
@@ -12,13 +13,20 @@ import torch
 from torch import nn
 
 from cedlm.config import ModelConfig
+from cedlm.model.forward_batch import ForwardBatch
+from cedlm.model.kv_cache import KVCache
 from cedlm.model.norm import RMSNorm
+from cedlm.model.rope import Rope
+from cedlm.quant import store_round
 
 
 class Compressor(nn.Module):
-    def __init__(self, cfg: ModelConfig, ratio: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        self.ratio = ratio
+        self.layer_id, self.ratio, self.fmt = layer_id, cfg.compress_ratios[layer_id], cfg.main_kv_format
+        ratio = self.ratio
+        self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta_of(layer_id),
+                         cfg.rope_scaling if cfg.uses_yarn(layer_id) else None)
         self.wkv = nn.Linear(cfg.hidden_size, cfg.head_dim, bias=False)
         self.wgate = nn.Linear(cfg.hidden_size, cfg.head_dim, bias=False) if ratio > 1 else None
         self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -53,3 +61,17 @@ class Compressor(nn.Module):
         G = kv.shape[0] // r
         lat = self.pool(kv[: G * r], gate[: G * r])
         return lat, start + torch.arange(G) * r, (kv[G * r:], gate[G * r:])
+
+    def compress(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, indexer=None) -> None:
+        """New rows x [B, T, D] of this pass -> the completed entries (main KV, and index keys
+        when `indexer` owns keys) appended to the cache; the incomplete group carried over."""
+        for b, p0 in enumerate(batch.first_positions()):
+            lat, starts, pend = self.forward_rows(x[b], p0, self.pending_of(cache, b))
+            if pend is not None:
+                cache.set_pending(self.layer_id, b, (pend[0].detach(), pend[1].detach()))
+            kv = store_round(self.rope.apply(lat, starts), self.fmt, self.training)
+            idx = indexer.entry_keys(lat, starts) if indexer is not None else None
+            cache.add_entries(self.layer_id, b, kv, idx)
+
+    def pending_of(self, cache: KVCache, b: int):
+        return cache.pending(self.layer_id, b) if self.ratio > 1 else None

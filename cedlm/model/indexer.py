@@ -14,7 +14,11 @@ import torch
 from torch import nn
 
 from cedlm.config import ModelConfig
+from cedlm.model.forward_batch import ForwardBatch
+from cedlm.model.kv_cache import KVCache
 from cedlm.model.norm import RMSNorm
+from cedlm.model.rope import Rope
+from cedlm.quant import store_round
 
 NEG = float("-inf")
 
@@ -54,21 +58,38 @@ def topk_entries(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 class Indexer(nn.Module):
-    """Query side on every index source; key side (`wk`, `k_norm`) only on KV sources."""
+    """One index-source layer's indexer: query side always; key side (`wk`, `k_norm`) on the
+    sources that own index keys. Owns the sparse selection of its layer (and, on the candidate
+    source, the candidate pool of the pass)."""
 
-    def __init__(self, cfg: ModelConfig, has_keys: bool):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
         self.h, self.d = cfg.index_n_heads, cfg.index_head_dim
+        self.keys_src = cfg.kv_source_of(layer_id)              # whose entries it scores
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.h * self.d, bias=False)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.h, bias=False)
-        if has_keys:
+        if layer_id in cfg.index_key_layer_ids:
             self.wk = nn.Linear(cfg.head_dim, self.d, bias=False)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.rope = Rope(min(cfg.qk_rope_head_dim, self.d), cfg.rope_theta_of(layer_id),
+                         cfg.rope_scaling if cfg.uses_yarn(layer_id) else None)
 
+    @property
+    def has_keys(self) -> bool:
+        return hasattr(self, "wk")
+
+    # ---------------------------------------------------------------- keys
     def keys(self, latent: torch.Tensor) -> torch.Tensor:
         """Compressed latents [.., hd] -> index keys before RoPE [.., d]."""
         return self.k_norm(self.wk(latent))
 
+    def entry_keys(self, latent: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """Stored index keys of new entries: RoPE at each group's first position, FP4-rounded."""
+        return store_round(self.rope.apply(self.keys(latent), starts), self.cfg.index_kv_format,
+                           self.training)
+
+    # ---------------------------------------------------------------- queries and scores
     def queries(self, qr: torch.Tensor, x: torch.Tensor):
         """qr [B, T, q_lora], x [B, T, D] -> q [B, T, h, d] before RoPE, weights [B, T, h]."""
         q = self.wq_b(qr).unflatten(-1, (self.h, self.d))
@@ -81,3 +102,22 @@ class Indexer(nn.Module):
         s = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).relu()
         s = torch.einsum("bthn,bth->btn", s, w)
         return s.masked_fill(~visible, NEG)
+
+    # ---------------------------------------------------------------- selection
+    def select(self, qr: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, cache: KVCache):
+        """Top-k entries of the KV source for this layer's queries -> (idx [B,T,k], valid
+        [B,T,k]), published in the pass's selection for the Reuse layers that follow."""
+        cfg, pos, sel = self.cfg, batch.positions, batch.selection
+        keys, ends = cache.index_keys(self.keys_src)
+        visible = ends.unsqueeze(1) <= pos.unsqueeze(-1)                      # [B, T, N]
+        q, w = self.queries(qr, x)
+        q = store_round(self.rope.apply(q, pos.unsqueeze(-1)), cfg.index_kv_format, self.training)
+        score = self.score(q, w, keys, visible)
+        cand = cfg.candidate_source_layer_id
+        if self.layer_id == cand:
+            sel.pool = candidate_pool(score, visible.sum(-1), cfg.candidate_block_size,
+                                      cfg.candidate_topk_blocks)
+        elif sel.pool is not None and cand is not None and cfg.kv_source_of(cand) == self.keys_src:
+            score = score.masked_fill(~sel.pool, NEG)               # Reindex: inside the pool
+        sel.topk[self.layer_id] = topk_entries(score.detach(), cfg.index_topk)
+        return sel.topk[self.layer_id]

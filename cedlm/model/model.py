@@ -7,7 +7,10 @@ naming loads without renaming (DSpark `mtp.*` and vision tensors are not built h
 One code path serves training and inference: a call runs an encoder pass over every new token
 (layers < decoder_start, then the global-KV source writes its window rows and global entries)
 and a decoder pass over the rows that need it (all of them in training and `full` prefill; the
-trailing ones in `exact`/`bounded` prefill; the new token at decode). `Step` carries the caches.
+trailing ones in `exact`/`bounded` prefill; the new token at decode). Each pass gets a
+`ForwardBatch` (positions, Engram rows, replay flag, the indexers' selection); caches are reached
+through a `KVCache` backend: `TrainingKVCache` for the training forward, `ByteKVCache` over
+`SequenceState`s for inference. Prefill modes and replay live in `replay.py`.
 """
 from __future__ import annotations
 
@@ -15,15 +18,17 @@ import torch
 from torch import nn
 
 from cedlm.config import ConfigError, ModelConfig, RUNNABLE_FAMILIES
+from cedlm.kv_layout import KVLayout
+from cedlm.model import replay as replay_
 from cedlm.model.attention import Attention
 from cedlm.model.engram import Engram
+from cedlm.model.forward_batch import ForwardBatch
+from cedlm.model.kv_cache import ByteKVCache, KVCache, TrainingKVCache
 from cedlm.model.mhc import collapse, expand, first_pre, hc_mixes, init_hc
 from cedlm.model.moe import MoE
 from cedlm.model.norm import RMSNorm
+from cedlm.model.replay import PREFILL_MODES, PrefillRun
 from cedlm.model.state import SequenceState
-from cedlm.model.step import Step
-
-PREFILL_MODES = ("full", "exact", "bounded")
 
 
 class Block(nn.Module):
@@ -48,18 +53,18 @@ class Block(nn.Module):
         return hc_mixes(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
                         getattr(self, f"hc_{sub}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
 
-    def forward(self, x: torch.Tensor, pre: torch.Tensor, step: Step):
+    def forward(self, x: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, cache: KVCache):
         """x: mHC copies [B, T, n, D]; pre: the previous sub-layer's pre [B, T, n]."""
         if hasattr(self, "engram"):
-            x = self.engram(x, step.engram_emb[self.layer_id])
+            x = self.engram(x, batch.engram_rows[self.layer_id])
         pre_a, post, comb = self.mixes(x, "attn")
-        x = expand(x, self.attn(self.attn_norm(collapse(x, pre)), step), post, comb)
+        x = expand(x, self.attn(self.attn_norm(collapse(x, pre)), batch, cache), post, comb)
         pre_f, post, comb = self.mixes(x, "ffn")
         x = expand(x, self.ffn(self.ffn_norm(collapse(x, pre_a))), post, comb)
         return x, pre_f
 
-    def write_global(self, x: torch.Tensor, pre: torch.Tensor, step: Step) -> None:
-        self.attn.write_global(self.attn_norm(collapse(x, pre)), step)
+    def write_global(self, x: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> None:
+        self.attn.write_global(self.attn_norm(collapse(x, pre)), batch, cache)
 
 
 class CEDModel(nn.Module):
@@ -69,6 +74,7 @@ class CEDModel(nn.Module):
             raise ConfigError(f"family: {cfg.family!r} configs are for accounting only "
                               f"(runnable: {RUNNABLE_FAMILIES})")
         self.cfg = cfg
+        self.kv_layout = KVLayout.from_config(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -85,44 +91,41 @@ class CEDModel(nn.Module):
                 nn.init.normal_(p, std=std)
 
     # ---------------------------------------------------------------- passes
-    def _engram_rows(self, ids: torch.Tensor, history: torch.Tensor, step: Step) -> None:
+    def _engram_rows(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> dict:
         """Rows of every Engram layer, from token ids alone, before any layer runs."""
-        step.engram_emb = {}
-        if not self.cfg.engram_layer_ids:
-            return
-        cids = self.engram_token_map[torch.cat((history, ids), 1)]
-        for l in self.cfg.engram_layer_ids:
-            eng = self.layers[l].engram
-            rows = eng.hasher.rows(cids, history.shape[1])
-            step.engram_emb[l] = eng.lookup(rows)
-
-    def _history(self, ids: torch.Tensor, step: Step) -> torch.Tensor:
-        h = max(self.cfg.engram_max_ngram_size - 1, 0) if self.cfg.engram_layer_ids else 0
-        out = torch.full((ids.shape[0], h), self.cfg.engram_pad_token_id, dtype=torch.int64)
-        if step.states is not None and h:
-            for b, st in enumerate(step.states):
-                prev = st.token_ids[max(0, int(step.pos[b, 0]) - h): int(step.pos[b, 0])]
+        cfg = self.cfg
+        if not cfg.engram_layer_ids:
+            return {}
+        h = max(cfg.engram_max_ngram_size - 1, 0)
+        history = torch.full((ids.shape[0], h), cfg.engram_pad_token_id, dtype=torch.int64)
+        if h:
+            for b, prev in enumerate(cache.history(pos[:, 0].tolist(), h)):
                 if prev:
-                    out[b, h - len(prev):] = torch.tensor(prev)
+                    history[b, h - len(prev):] = torch.tensor(prev)
+        cids = self.engram_token_map[torch.cat((history, ids), 1)]
+        out = {}
+        for l in cfg.engram_layer_ids:
+            eng = self.layers[l].engram
+            out[l] = eng.lookup(eng.hasher.rows(cids, h))
         return out
 
-    def encoder_pass(self, ids: torch.Tensor, pos: torch.Tensor, step: Step):
+    def encoder_pass(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, replay: bool = False):
         """Every new token through layers < decoder_start, then the global-KV projection."""
-        step.begin_pass(pos)
-        self._engram_rows(ids, self._history(ids, step), step)
+        batch = ForwardBatch(pos, self._engram_rows(ids, pos, cache), replay)
         x = self.embed(ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)   # [B, T, n, D]
         pre = first_pre(x)
         ds = self.cfg.decoder_start
         for layer in self.layers[:ds]:
-            x, pre = layer(x, pre, step)
+            x, pre = layer(x, pre, batch, cache)
         if ds < self.cfg.n_layers:
-            self.layers[ds].write_global(x, pre, step)
+            self.layers[ds].write_global(x, pre, batch, cache)
         return x, pre
 
-    def decoder_pass(self, x: torch.Tensor, pre: torch.Tensor, pos: torch.Tensor, step: Step):
-        step.begin_pass(pos)
+    def decoder_pass(self, x: torch.Tensor, pre: torch.Tensor, pos: torch.Tensor, cache: KVCache,
+                     replay: bool = False):
+        batch = ForwardBatch(pos, replay=replay)
         for layer in self.layers[self.cfg.decoder_start:]:
-            x, pre = layer(x, pre, step)
+            x, pre = layer(x, pre, batch, cache)
         return self.head(self.norm(collapse(x, pre))).float()
 
     # ---------------------------------------------------------------- training forward
@@ -130,92 +133,34 @@ class CEDModel(nn.Module):
         """Full causal forward: input_ids [B, S] -> logits [B, S, vocab] (fp32)."""
         B, S = input_ids.shape
         pos = torch.arange(S).expand(B, S)
-        step = Step(self.cfg, input_ids)
-        x, pre = self.encoder_pass(input_ids, pos, step)
-        return self.decoder_pass(x, pre, pos, step)
+        cache = TrainingKVCache(self.kv_layout, B)
+        x, pre = self.encoder_pass(input_ids, pos, cache)
+        return self.decoder_pass(x, pre, pos, cache)
 
     # ---------------------------------------------------------------- inference
-    def new_state(self) -> SequenceState:
-        return SequenceState(self.cfg)
+    def new_state(self, rows=None) -> SequenceState:
+        return SequenceState(self.kv_layout, rows)
 
     def decoder_rows(self, n_new: int, mode: str) -> int:
-        if mode not in PREFILL_MODES:
-            raise ValueError(f"prefill_mode: {mode!r} is not one of {PREFILL_MODES}")
-        if mode == "full" or self.cfg.decoder_start >= self.cfg.n_layers:
-            return n_new
-        m = self.cfg.exact_prefill_tokens if mode == "exact" else self.cfg.sliding_window
-        return min(n_new, m)
+        return replay_.decoder_rows(self.cfg, n_new, mode)
 
-    @torch.no_grad()
+    def replay_tokens(self, mode: str) -> int:
+        return replay_.replay_tokens(self.cfg, mode)
+
+    def start_prefill(self, input_ids, state: SequenceState, mode: str = "full",
+                      chunk_size: int | None = None) -> PrefillRun:
+        """A chunked prefill to drive step by step (see `replay.PrefillRun`)."""
+        return PrefillRun(self, input_ids, state, mode, chunk_size)
+
     def prefill(self, input_ids, state: SequenceState, mode: str = "full",
                 chunk_size: int | None = None) -> torch.Tensor:
         """Append a prompt (1-D token ids) to `state`; returns logits [M, vocab] of the rows the
-        decoder ran on (the last row predicts the next token). The encoder sees every token
-        (in chunks of `chunk_size`); the decoder sees the trailing M rows (by `mode`)."""
-        it = self.prefill_steps(input_ids, state, mode, chunk_size)
-        while True:
-            try:
-                next(it)
-            except StopIteration as done:
-                return done.value
+        decoder ran on (the last row predicts the next token)."""
+        return PrefillRun(self, input_ids, state, mode, chunk_size).run()
 
-    def prefill_steps(self, input_ids, state: SequenceState, mode: str = "full",
-                      chunk_size: int | None = None):
-        """Generator form of `prefill`: yields the number of encoder tokens after each chunk, so a
-        scheduler can interleave a long prompt with other work; returns the logits."""
-        ids = torch.as_tensor(input_ids, dtype=torch.int64).flatten()
-        S = ids.numel()
-        if S == 0:
-            raise ValueError("input_ids: empty prompt")
-        if chunk_size is not None and chunk_size <= 0:
-            raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
-        M = self.decoder_rows(S, mode)
-        p0 = state.num_tokens
-        step = Step(self.cfg, ids[None], [state])
-        step.stash_from = p0 + S - M - self.cfg.sliding_window + 1
-        xs, pres = [], []
-        chunk = chunk_size or S
-        with torch.no_grad():
-            for c0 in range(0, S, chunk):
-                part = ids[c0: c0 + chunk][None]
-                T = part.shape[1]
-                pos = torch.arange(state.num_tokens, state.num_tokens + T)[None]
-                state.token_ids.extend(part[0].tolist())
-                x, pre = self.encoder_pass(part, pos, step)
-                state.num_tokens += T
-                keep = min(T, max(0, c0 + T - (S - M)))          # rows of this chunk in the tail
-                if keep:
-                    xs.append(x[:, -keep:]), pres.append(pre[:, -keep:])
-                if c0 + T < S:
-                    yield c0 + T
-            pos = torch.arange(p0 + S - M, p0 + S)[None]
-            return self.decoder_pass(torch.cat(xs, 1), torch.cat(pres, 1), pos, step)[0]
-
-    def replay_tokens(self, mode: str) -> int:
-        """Tokens to replay to rebuild every window: n_win (bounded) or L * (n_win - 1) + 1
-        (exact: the receptive field of L stacked windows)."""
-        if mode == "bounded":
-            return self.cfg.sliding_window
-        if mode == "exact":
-            return self.cfg.n_layers * (self.cfg.sliding_window - 1) + 1
-        raise ValueError(f"replay mode: {mode!r} is not 'exact' or 'bounded'")
-
-    @torch.no_grad()
     def replay(self, state: SequenceState, mode: str = "exact") -> torch.Tensor:
-        """Rebuild the window rings of a state restored from global KV + token ids (windows are
-        never persisted) by re-running its last tokens through every layer; the global entries
-        already exist and are not written again. Returns the next-token logits [vocab]."""
-        P = state.num_tokens
-        if P == 0:
-            raise ValueError("replay: the state holds no tokens")
-        R = min(P, self.replay_tokens(mode))
-        ids = torch.tensor(state.token_ids[P - R: P])[None]
-        pos = torch.arange(P - R, P)[None]
-        step = Step(self.cfg, ids, [state])
-        step.replay = True
-        step.stash_from = P - R - self.cfg.sliding_window + 1
-        x, pre = self.encoder_pass(ids, pos, step)
-        return self.decoder_pass(x, pre, pos, step)[0, -1]
+        """Rebuild the window rings of a restored state; next-token logits [vocab]."""
+        return replay_.replay(self, state, mode)
 
     @torch.no_grad()
     def decode(self, input_ids, states: list[SequenceState]) -> torch.Tensor:
@@ -224,14 +169,13 @@ class CEDModel(nn.Module):
         if ids.shape[0] != len(states):
             raise ValueError(f"input_ids: {ids.shape[0]} tokens for {len(states)} states")
         pos = torch.tensor([[st.num_tokens] for st in states])
-        step = Step(self.cfg, ids, states)
-        step.stash_from = 0
+        cache = ByteKVCache(self.kv_layout, states)
         for b, st in enumerate(states):
             st.token_ids.append(int(ids[b, 0]))
-        x, pre = self.encoder_pass(ids, pos, step)
+        x, pre = self.encoder_pass(ids, pos, cache)
         for st in states:
             st.num_tokens += 1
-        return self.decoder_pass(x, pre, pos, step)[:, -1]
+        return self.decoder_pass(x, pre, pos, cache)[:, -1]
 
     def offload_engram(self, directory) -> None:
         """Memory-map every Engram table from `directory` (written there first)."""

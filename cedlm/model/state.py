@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from cedlm.config import ModelConfig
-from cedlm.quant import bytes_per_entry, decode, encode
+from cedlm.kv_layout import KVLayout
+from cedlm.quant import decode, encode
 
 
 class ByteRows:
@@ -45,6 +45,12 @@ class ByteRows:
     def truncate(self, n: int) -> None:
         self.n = min(self.n, n)
 
+    def set_len(self, n: int) -> None:
+        """The first n rows are valid (rows written elsewhere, e.g. adopted paged blocks)."""
+        if n > self.buf.shape[0]:
+            raise ValueError(f"set_len: {n} rows exceed the {self.buf.shape[0]} allocated")
+        self.n = n
+
     @property
     def nbytes(self) -> int:
         return self.n * self.width
@@ -55,25 +61,21 @@ class ByteRows:
 
 
 class SequenceState:
-    """`rows(kind, src, width)` makes the store of one kind ("kv" or "idx") of one source layer:
-    contiguous `ByteRows` by default, or the engine's paged rows (cedlm.cache.block_pool)."""
+    """`rows(spec)` makes the store of one row kind (a `RowSpec` of the KV layout): contiguous
+    `ByteRows` by default, or the engine's paged rows (cedlm.cache.block_pool)."""
 
-    def __init__(self, cfg: ModelConfig, rows=None):
-        self.cfg = cfg
-        hd, win = cfg.head_dim, cfg.sliding_window
+    def __init__(self, layout: KVLayout, rows=None):
+        self.layout = layout
         self.num_tokens = 0                       # positions 0..num_tokens-1 seen by the encoder
         self.token_ids: list[int] = []
-        self.win_fmt, self.main_fmt, self.idx_fmt = cfg.window_kv_format, cfg.main_kv_format, cfg.index_kv_format
-        wb = bytes_per_entry(self.win_fmt, hd)
-        self.window = {l: torch.zeros(win, wb, dtype=torch.uint8) for l in range(cfg.n_layers)}
-        self.window_pos = {l: torch.full((win,), -1, dtype=torch.int64) for l in range(cfg.n_layers)}
-        rows = rows or (lambda kind, src, width: ByteRows(width))
-        self.kv = {s: rows("kv", s, bytes_per_entry(self.main_fmt, hd)) for s in cfg.kv_source_layer_ids}
-        self.index = {s: rows("idx", s, bytes_per_entry(self.idx_fmt, cfg.index_head_dim))
-                      for s in cfg.index_key_layer_ids}
-        # Incomplete compressor group: fp32 [k, head_dim] projections and gate logits.
-        self.pending = {s: (torch.zeros(0, hd), torch.zeros(0, hd))
-                        for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] > 1}
+        win, wb = layout.window_slots, layout.window_entry_bytes
+        self.window = {l: torch.zeros(win, wb, dtype=torch.uint8) for l in range(layout.n_layers)}
+        self.window_pos = {l: torch.full((win,), -1, dtype=torch.int64) for l in range(layout.n_layers)}
+        rows = rows or (lambda spec: ByteRows(spec.width))
+        self.kv = {spec.layer: rows(spec) for spec in layout.rows_of("kv")}
+        self.index = {spec.layer: rows(spec) for spec in layout.rows_of("idx")}
+        # Incomplete compressor group: fp32 [k, dim] projections and gate logits.
+        self.pending = {s: (torch.zeros(0, d), torch.zeros(0, d)) for s, _, d in layout.pending}
 
     # ---------------------------------------------------------------- window ring
     def window_before(self, layer: int, first_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,25 +84,35 @@ class SequenceState:
         keep = (pos >= 0) & (pos < first_pos)
         order = torch.argsort(pos[keep])
         rows = self.window[layer][keep][order]
-        return decode(rows, self.win_fmt, self.cfg.head_dim), pos[keep][order]
+        return decode(rows, self.layout.window_fmt, self.layout.window_dim), pos[keep][order]
 
     def window_write(self, layer: int, kv: torch.Tensor, pos: torch.Tensor) -> None:
         """kv [T, hd] (already window-quantised values), pos [T] contiguous: keep the last n_win."""
-        win = self.cfg.sliding_window
+        win = self.layout.window_slots
         kv, pos = kv[-win:], pos[-win:]
         slots = pos % win
-        self.window[layer][slots] = encode(kv, self.win_fmt)
+        self.window[layer][slots] = encode(kv, self.layout.window_fmt)
         self.window_pos[layer][slots] = pos
+
+    def adopt_prefix(self, token_ids: list[int]) -> None:
+        """Take a cached prefix whose global rows are already in place (prefix-cached blocks):
+        the rows of every kind cover len(token_ids) tokens; the windows still need a replay."""
+        n = len(token_ids)
+        for spec in self.layout.rows:
+            (self.kv if spec.kind == "kv" else self.index)[spec.layer].set_len(n // spec.ratio)
+        self.num_tokens, self.token_ids = n, list(token_ids)
 
     # ---------------------------------------------------------------- compressed entries
     def n_entries(self, src: int) -> int:
         return self.kv[src].n
 
+    def pending_bytes(self) -> int:
+        return sum(self.layout.pending_bytes(kv.shape[0], kv.shape[1]) for kv, _ in self.pending.values())
+
     def nbytes(self) -> dict[str, int]:
-        pend = sum(a.numel() * 4 + b.numel() * 4 for a, b in self.pending.values())
         return {
             "main_kv": sum(r.nbytes for r in self.kv.values()),
             "index_keys": sum(r.nbytes for r in self.index.values()),
             "window": sum(w.numel() for w in self.window.values()),
-            "compressor_state": pend,
+            "compressor_state": self.pending_bytes(),
         }

@@ -13,7 +13,7 @@ The rules and their sources are in ``formats.py`` / ``numerics.py`` and referenc
 
 from .formats import (FORMATS, QuantFormat, bytes_per_entry, decode, encode, get_format,
                       quant_dequant)
-from .qat import FakeQuant, FakeQuantize, fake_quant
+from .qat import FakeQuant, fake_quant, store_round
 
 __all__ = [
     "FORMATS",
@@ -25,5 +25,5 @@ __all__ = [
     "fake_quant",
     "get_format",
     "FakeQuant",
-    "FakeQuantize",
+    "store_round",
 ]

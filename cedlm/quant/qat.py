@@ -11,7 +11,7 @@ import torch
 
 from .formats import QuantFormat, get_format, quant_dequant
 
-__all__ = ["FakeQuant", "fake_quant", "FakeQuantize"]
+__all__ = ["FakeQuant", "fake_quant", "store_round"]
 
 
 class FakeQuant(torch.autograd.Function):
@@ -33,15 +33,9 @@ def fake_quant(x: torch.Tensor, fmt: str | QuantFormat | None) -> torch.Tensor:
     return FakeQuant.apply(x, get_format(fmt))
 
 
-class FakeQuantize(torch.nn.Module):
-    """Module wrapper of ``fake_quant`` (handy in model code and ablations)."""
-
-    def __init__(self, fmt: str | None):
-        super().__init__()
-        self.fmt = None if fmt in (None, "none") else get_format(fmt).name
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fake_quant(x, self.fmt)
-
-    def extra_repr(self) -> str:
-        return f"fmt={self.fmt!r}"
+def store_round(x: torch.Tensor, fmt: str, training: bool) -> torch.Tensor:
+    """The values the cache holds for ``x`` in format ``fmt``: quantise-dequantise, with the
+    straight-through gradient when training (``x`` requires grad), else a plain round trip."""
+    if training and x.requires_grad:
+        return fake_quant(x, fmt)
+    return quant_dequant(x, fmt).to(x.dtype)

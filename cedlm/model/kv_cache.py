@@ -1,0 +1,217 @@
+"""The seam between attention and storage: one small protocol, two cache backends.
+
+Attention, the compressor and the indexer read and write caches only through `KVCache`:
+- window rows: `window` (write this pass's rows, get the keys visible to it) and, for the
+  global-KV source whose rows are written in the encoder pass and read in the decoder pass,
+  `push_stash` / `global_window`;
+- compressed entries of a KV-source layer: `add_entries`, `entry_ends`, `index_keys`, and the
+  main KV as every entry (`all_kv`, the dense reference) or only the selected ones (`gather_kv`);
+- the compressor's pending rows (`pending`, `set_pending`) and the token history Engram needs.
+
+`TrainingKVCache` keeps fp32 tensors of one call, already rounded to the storage formats
+(differentiable); attention then runs the dense reference path. `ByteKVCache` serves a list of
+`SequenceState`s, whose rows are bytes (contiguous or paged in the engine's block pool), and
+decodes only what a query selects. A cache backend lives for one model call (both passes).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from cedlm.kv_layout import KVLayout
+from cedlm.model.state import SequenceState
+from cedlm.quant import decode, encode
+
+BIG = 1 << 62    # "never visible" end position of padding entries
+
+
+class KVCache(Protocol):
+    dense: bool                           # attention over all entries (reference) or a gather
+
+    def window(self, layer: int, kv: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def push_stash(self, kv: torch.Tensor, pos: torch.Tensor) -> None: ...
+    def global_window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def pending(self, src: int, b: int): ...
+    def set_pending(self, src: int, b: int, pend) -> None: ...
+    def add_entries(self, src: int, b: int, kv: torch.Tensor, idx: torch.Tensor | None) -> None: ...
+    def entry_ends(self, src: int) -> torch.Tensor: ...
+    def index_keys(self, src: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def all_kv(self, src: int) -> torch.Tensor: ...
+    def gather_kv(self, src: int, idx: torch.Tensor) -> torch.Tensor: ...
+    def history(self, first_pos: list[int], n: int) -> list[list[int]]: ...
+
+
+class _Stash:
+    """Window rows of the global-KV source, kept from the encoder pass for the decoder pass
+    (rows at positions >= keep_from; all sequences share the chunk layout)."""
+
+    def __init__(self, keep_from: int):
+        self.keep_from = keep_from
+        self.stash: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def push_stash(self, kv: torch.Tensor, pos: torch.Tensor) -> None:
+        if self.stash is not None:
+            kv, pos = torch.cat((self.stash[0], kv), 1), torch.cat((self.stash[1], pos), 1)
+        keep = pos[0] >= self.keep_from
+        self.stash = (kv[:, keep], pos[:, keep])
+
+
+def _ends(ratio: int, counts: list[int]) -> torch.Tensor:
+    """[B, N] position of the last token of each entry (BIG for padding)."""
+    N = max(counts) if counts else 0
+    ends = torch.arange(N, dtype=torch.int64) * ratio + (ratio - 1)
+    ends = ends.expand(len(counts), N).clone()
+    for b, n in enumerate(counts):
+        ends[b, n:] = BIG
+    return ends
+
+
+class TrainingKVCache(_Stash):
+    """One call's rows as fp32 tensors (training forward, and the dense reference)."""
+    dense = True
+
+    def __init__(self, layout: KVLayout, batch_size: int):
+        super().__init__(keep_from=0)
+        self.layout, self.B = layout, batch_size
+        self._ent: dict[int, dict[str, list[list[torch.Tensor]]]] = {}
+        self._idx: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def window(self, layer, kv, pos):
+        return kv, pos                            # this call's rows are the whole context
+
+    def global_window(self, layer):
+        return self.stash
+
+    def pending(self, src, b):
+        return None                               # a training call starts at position 0
+
+    def set_pending(self, src, b, pend):
+        pass
+
+    def add_entries(self, src, b, kv, idx):
+        e = self._ent.setdefault(src, {"kv": [[] for _ in range(self.B)], "idx": [[] for _ in range(self.B)]})
+        e["kv"][b].append(kv)
+        if idx is not None:
+            e["idx"][b].append(idx)
+        self._idx.pop(src, None)
+
+    def _counts(self, src):
+        e = self._ent.get(src)
+        return [sum(t.shape[0] for t in e["kv"][b]) if e else 0 for b in range(self.B)]
+
+    def _stack(self, src, kind):
+        return torch.stack([torch.cat(rows) for rows in self._ent[src][kind]])   # equal lengths
+
+    def entry_ends(self, src):
+        return _ends(self.layout.row("kv", src).ratio, self._counts(src))
+
+    def index_keys(self, src):
+        if src not in self._idx:
+            self._idx[src] = (self._stack(src, "idx"), self.entry_ends(src))
+        return self._idx[src]
+
+    def all_kv(self, src):
+        return self._stack(src, "kv")
+
+    def gather_kv(self, src, idx):
+        B = idx.shape[0]
+        return self.all_kv(src)[torch.arange(B)[:, None, None], idx]
+
+    def history(self, first_pos, n):
+        return [[] for _ in first_pos]
+
+
+class ByteKVCache(_Stash):
+    """The sequences' byte caches (`SequenceState`, rows contiguous or paged)."""
+    dense = False
+
+    def __init__(self, layout: KVLayout, states: list[SequenceState], keep_stash_from: int = 0):
+        super().__init__(keep_from=keep_stash_from)
+        self.layout, self.states = layout, states
+        self._idx: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kv_bytes: dict[int, torch.Tensor] = {}
+
+    # ---------------------------------------------------------------- windows
+    def window(self, layer, kv, pos):
+        olds = [st.window_before(layer, int(pos[b, 0])) for b, st in enumerate(self.states)]
+        for b, st in enumerate(self.states):
+            st.window_write(layer, kv[b], pos[b])
+        return self._cat_padded(olds, kv, pos)
+
+    def global_window(self, layer):
+        kv, pos = self.stash
+        olds = [st.window_before(layer, int(pos[b, 0])) for b, st in enumerate(self.states)]
+        return self._cat_padded(olds, kv, pos)
+
+    @staticmethod
+    def _cat_padded(olds, kv, pos):
+        W = max(o[0].shape[0] for o in olds)
+        B, T, hd = kv.shape
+        keys = torch.zeros(B, W + T, hd)
+        kpos = torch.full((B, W + T), -1, dtype=torch.int64)
+        for b, (k, p) in enumerate(olds):
+            n = k.shape[0]
+            keys[b, W - n: W], kpos[b, W - n: W] = k, p
+        keys[:, W:], kpos[:, W:] = kv.float(), pos
+        return keys, kpos
+
+    # ---------------------------------------------------------------- compressor state
+    def pending(self, src, b):
+        return self.states[b].pending.get(src)
+
+    def set_pending(self, src, b, pend):
+        self.states[b].pending[src] = pend
+
+    # ---------------------------------------------------------------- entries
+    def add_entries(self, src, b, kv, idx):
+        st = self.states[b]
+        st.kv[src].append(encode(kv, self.layout.row("kv", src).fmt))
+        if idx is not None:
+            st.index[src].append(encode(idx, self.layout.row("idx", src).fmt))
+        self._idx.pop(src, None)
+        self._kv_bytes.pop(src, None)
+
+    def _counts(self, src):
+        return [st.kv[src].n for st in self.states]
+
+    def entry_ends(self, src):
+        return _ends(self.layout.row("kv", src).ratio, self._counts(src))
+
+    def index_keys(self, src):
+        if src not in self._idx:
+            ends = self.entry_ends(src)
+            spec = self.layout.row("idx", src)
+            raw = _padded([st.index[src].view() for st in self.states], ends.shape[1])
+            self._idx[src] = (decode(raw, spec.fmt, spec.dim), ends)
+        return self._idx[src]
+
+    def all_kv(self, src):
+        if src not in self._kv_bytes:
+            self._kv_bytes[src] = _padded([st.kv[src].view() for st in self.states], max(self._counts(src)))
+        spec = self.layout.row("kv", src)
+        return decode(self._kv_bytes[src], spec.fmt, spec.dim)
+
+    def gather_kv(self, src, idx):
+        """Decode only the selected rows: idx [B, T, k] -> [B, T, k, hd] fp32 (cost independent
+        of context length)."""
+        B, T, k = idx.shape
+        raw = []
+        for b, st in enumerate(self.states):
+            rows = st.kv[src]
+            raw.append(rows.gather(idx[b].clamp(0, max(rows.n - 1, 0))) if rows.n else
+                       torch.zeros(T, k, rows.width, dtype=torch.uint8))
+        spec = self.layout.row("kv", src)
+        return decode(torch.stack(raw), spec.fmt, spec.dim)
+
+    def history(self, first_pos, n):
+        return [st.token_ids[max(0, p - n): p] for st, p in zip(self.states, first_pos)]
+
+
+def _padded(rows: list[torch.Tensor], n: int) -> torch.Tensor:
+    if len(rows) == 1 and rows[0].shape[0] == n:
+        return rows[0].unsqueeze(0)
+    out = torch.zeros(len(rows), n, rows[0].shape[1], dtype=torch.uint8)
+    for b, r in enumerate(rows):
+        out[b, : r.shape[0]] = r
+    return out

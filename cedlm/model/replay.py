@@ -1,0 +1,116 @@
+"""Prefill modes, receptive fields and replay: which rows run through the decoder, and how
+window rings that were never stored are rebuilt.
+
+Prefill of S new tokens: the encoder sees every token (in chunks); the decoder sees
+- `full`:    every row;
+- `exact`:   the trailing `exact_prefill_tokens` rows: the receptive field of the stacked decoder
+             windows, so the next-token logits and every cache are exactly those of `full`;
+- `bounded`: the trailing `sliding_window` rows (approximate: the decoder's windows see nothing
+             earlier; about half the prefill work of a decoder-only model).
+Replay rebuilds the window rings of a sequence restored from its global entries and token ids
+(windows are never persisted) by re-running its last tokens through every layer without writing
+global entries again: `exact` replays L * (n_win - 1) + 1 tokens (the receptive field of L
+stacked windows: the rings and the logits equal the uninterrupted run), `bounded` replays n_win.
+"""
+from __future__ import annotations
+
+import torch
+
+from cedlm.config import ModelConfig
+from cedlm.model.kv_cache import ByteKVCache
+from cedlm.model.state import SequenceState
+
+PREFILL_MODES = ("full", "exact", "bounded")
+REPLAY_MODES = ("exact", "bounded")
+
+
+def decoder_rows(cfg: ModelConfig, n_new: int, mode: str) -> int:
+    """Rows of an n_new-token prefill that run through the decoder in `mode`."""
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"prefill_mode: {mode!r} is not one of {PREFILL_MODES}")
+    if mode == "full" or cfg.decoder_start >= cfg.n_layers:
+        return n_new
+    m = cfg.exact_prefill_tokens if mode == "exact" else cfg.sliding_window
+    return min(n_new, m)
+
+
+def replay_tokens(cfg: ModelConfig, mode: str) -> int:
+    """Tokens to replay to rebuild every window: n_win (bounded) or L * (n_win - 1) + 1 (exact)."""
+    if mode == "bounded":
+        return cfg.sliding_window
+    if mode == "exact":
+        return cfg.n_layers * (cfg.sliding_window - 1) + 1
+    raise ValueError(f"replay mode: {mode!r} is not one of {REPLAY_MODES}")
+
+
+class PrefillRun:
+    """A prompt appended to one sequence, one encoder chunk per `step()`, so that a scheduler can
+    interleave a long prompt with other work. After the last chunk the decoder runs over the
+    trailing rows and `logits` ([M, vocab], the last row predicts the next token) is set."""
+
+    def __init__(self, model, input_ids, state: SequenceState, mode: str = "full",
+                 chunk_size: int | None = None):
+        ids = torch.as_tensor(input_ids, dtype=torch.int64).flatten()
+        if ids.numel() == 0:
+            raise ValueError("input_ids: empty prompt")
+        if chunk_size is not None and chunk_size <= 0:
+            raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
+        cfg = model.cfg
+        self.model, self.ids, self.state = model, ids, state
+        self.S, self.M = ids.numel(), decoder_rows(cfg, ids.numel(), mode)
+        self.chunk = chunk_size or self.S
+        self.p0, self.done_tokens = state.num_tokens, 0
+        self.cache = ByteKVCache(model.kv_layout, [state],
+                                 keep_stash_from=self.p0 + self.S - self.M - cfg.sliding_window + 1)
+        self.xs: list[torch.Tensor] = []
+        self.pres: list[torch.Tensor] = []
+        self.logits: torch.Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.logits is not None
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Run the next encoder chunk (and the decoder after the last); True when finished."""
+        if self.done:
+            return True
+        c0, st = self.done_tokens, self.state
+        part = self.ids[c0: c0 + self.chunk][None]
+        T = part.shape[1]
+        pos = torch.arange(st.num_tokens, st.num_tokens + T)[None]
+        st.token_ids.extend(part[0].tolist())
+        x, pre = self.model.encoder_pass(part, pos, self.cache)
+        st.num_tokens += T
+        self.done_tokens = c0 + T
+        keep = min(T, max(0, c0 + T - (self.S - self.M)))          # rows of this chunk in the tail
+        if keep:
+            self.xs.append(x[:, -keep:]), self.pres.append(pre[:, -keep:])
+        if self.done_tokens < self.S:
+            return False
+        pos = torch.arange(self.p0 + self.S - self.M, self.p0 + self.S)[None]
+        self.logits = self.model.decoder_pass(torch.cat(self.xs, 1), torch.cat(self.pres, 1),
+                                              pos, self.cache)[0]
+        self.xs, self.pres = [], []
+        return True
+
+    def run(self) -> torch.Tensor:
+        while not self.step():
+            pass
+        return self.logits
+
+
+@torch.no_grad()
+def replay(model, state: SequenceState, mode: str = "exact") -> torch.Tensor:
+    """Rebuild the window rings of `state` (global entries and token ids present, windows
+    empty); returns the next-token logits [vocab]."""
+    cfg = model.cfg
+    P = state.num_tokens
+    if P == 0:
+        raise ValueError("replay: the state holds no tokens")
+    R = min(P, replay_tokens(cfg, mode))
+    ids = torch.tensor(state.token_ids[P - R: P])[None]
+    pos = torch.arange(P - R, P)[None]
+    cache = ByteKVCache(model.kv_layout, [state], keep_stash_from=P - R - cfg.sliding_window + 1)
+    x, pre = model.encoder_pass(ids, pos, cache, replay=True)
+    return model.decoder_pass(x, pre, pos, cache, replay=True)[0, -1]
