@@ -1,14 +1,16 @@
 """cedlm: DeepSeek-V4.1-Flash (causal encoder-decoder, CSA2, FP4 global KV) in PyTorch."""
 from cedlm.config import ConfigError, ModelConfig
-from cedlm.model import CEDModel
 
 
-def __getattr__(name):                 # the engine is imported on first use
+def __getattr__(name):                 # the model and the engine (torch) are imported on first use
+    if name == "CEDModel":
+        from cedlm.model import CEDModel
+        return CEDModel
     if name == "LLM":
         from cedlm.engine.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from cedlm.engine.sampler import SamplingParams
+        from cedlm.engine.sampling_params import SamplingParams
         return SamplingParams
     raise AttributeError(name)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -25,3 +26,35 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+@contextmanager
+def atomic_open(path: str | Path, mode: str = "w", encoding: str | None = "utf-8"):
+    """Open a temp file beside ``path``; on success fsync and rename it over ``path``.
+
+    On an exception the temp file is removed and ``path`` is left as it was. The file gets the
+    permissions a plain ``open`` would give it (0o666 less the umask).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        kw = {} if "b" in mode else {"encoding": encoding, "newline": "\n"}
+        with os.fdopen(fd, mode, **kw) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

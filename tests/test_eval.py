@@ -12,7 +12,7 @@ from cedlm.config import ModelConfig
 from cedlm.eval.cli import main as eval_main
 from cedlm.eval.ppl import evaluate_ppl, evaluate_unigram, fit_unigram, unigram_baseline
 from cedlm.model.model import CEDModel
-from cedlm.train.checkpoint import save_checkpoint, set_token_map
+from cedlm.checkpoint import save_checkpoint, set_token_map
 
 TEXT = (Path(__file__).parent / "fixtures" / "corpus" / "pystdlib" / "bisect.py").read_text()[:3000]
 TEXT += "\nCafé, naïve — 日本語 ✓\n"   # multi-byte characters: bytes != characters

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from cedlm import ModelConfig
-from cedlm.model.engram import EngramHasher, build_token_map, engram_table_rows, normalize_token_text
+from cedlm.config.engram_sizes import engram_table_rows
+from cedlm.model.engram import EngramHasher, build_token_map, normalize_token_text
 from cedlm.model.indexer import candidate_pool, stable_topk
 from cedlm.model.mhc import collapse, expand, hc_mixes, init_hc, sinkhorn
 from cedlm.model.rope import Rope, rope_frequencies, yarn_correction_range

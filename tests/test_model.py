@@ -10,7 +10,7 @@ from cedlm import CEDModel, ModelConfig
 from cedlm.model.attention import attend
 from cedlm.model.moe import MoE
 
-REF = Path(__file__).resolve().parents[1] / "cedlm" / "configs"
+REF = Path(__file__).resolve().parents[1] / "cedlm" / "config" / "official"
 WEIGHT_NAMES = Path(__file__).resolve().parents[2] / "shared" / "reference" / "v41-weight-names.txt"
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -230,15 +230,18 @@ def test_exact_replay_reproduces_uninterrupted_run(tiny):
         assert torch.allclose(a, b, atol=1e-4)
 
 
-def test_chunked_prefill_steps_yield_between_chunks(tiny):
+def test_chunked_prefill_runs_one_chunk_per_step(tiny):
     ids = torch.arange(50) % tiny.cfg.vocab_size
     st = tiny.new_state()
-    it = tiny.prefill_steps(ids, st, "exact", chunk_size=16)
-    assert [next(it), next(it), next(it)] == [16, 32, 48]
-    with pytest.raises(StopIteration) as done:
-        next(it)
+    run = tiny.start_prefill(ids, st, "exact", chunk_size=16)
+    seen = []
+    while not run.step():
+        seen.append(run.done_tokens)
+        assert run.logits is None
+    assert seen == [16, 32, 48] and run.done_tokens == 50 and st.num_tokens == 50
     ref = tiny.prefill(ids, tiny.new_state(), "exact")
-    assert torch.allclose(done.value.value if hasattr(done.value, "value") else done.value, ref, atol=1e-5)
+    assert torch.allclose(run.logits, ref, atol=1e-5)  # chunking changes only matmul shapes
+    assert run.step()                                   # a finished run stays finished
 
 
 def test_engram_tables_offloaded_to_memory_map(tiny, tmp_path):

@@ -1,15 +1,10 @@
-"""Sampler, SamplingParams and StopChecker (cedlm.engine.sampler)."""
+"""SamplingParams (cedlm.engine.sampling_params) and Sampler (cedlm.engine.sampler)."""
 
 import pytest
 import torch
 
-from cedlm.engine.sampler import (
-    Sampler,
-    SamplingParams,
-    StopChecker,
-    apply_top_k_top_p,
-    make_generator,
-)
+from cedlm.engine.sampler import Sampler, apply_top_k_top_p, make_generator
+from cedlm.engine.sampling_params import TOP_K_MAX, SamplingParams
 
 V = 50
 
@@ -60,6 +55,17 @@ def test_params_defaults_and_normalisation():
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(top_k=-1).top_k == -1 and SamplingParams(top_k=1).top_k == 1
 
+
+
+@pytest.mark.parametrize("top_k", [9223372036854775808, TOP_K_MAX + 1, -2, 2.0, True, "5", None])
+def test_top_k_out_of_range_rejected(top_k):
+    with pytest.raises(ValueError, match=r"^top_k:"):
+        SamplingParams(top_k=top_k)
+
+
+def test_top_k_accepted_range():
+    for k in (-1, 0, 1, V, V + 1, TOP_K_MAX):
+        assert SamplingParams(top_k=k).top_k == k
 
 def test_make_generator():
     assert make_generator(None) is None
@@ -197,6 +203,21 @@ def test_sampled_tokens_stay_inside_top_k_and_top_p():
     assert set(toks.tolist()) == set(idx[:m].tolist())
 
 
+
+
+@pytest.mark.parametrize("top_k", [V + 1, 10 * V, TOP_K_MAX])
+def test_top_k_above_vocab_samples_like_disabled(top_k):
+    x = _logits(B=4)
+    seeds = [1, 2, 3, 4]
+    for kw in ({"temperature": 1.3}, {"temperature": 0.8, "top_p": 0.9}):
+        off = [SamplingParams(top_k=0, logprobs=2, **kw)] * 4
+        big = [SamplingParams(top_k=top_k, logprobs=2, **kw)] * 4
+        a, b = _sample(x, off, seeds), _sample(x, big, seeds)
+        assert torch.equal(a.token_ids, b.token_ids)
+        assert torch.equal(a.logprobs, b.logprobs)
+        # mixed batch: an above-vocab row next to a real top-k row keeps its own (disabled) behaviour
+        mixed = _sample(x, [big[0], SamplingParams(top_k=3, **kw), big[2], off[3]], seeds)
+        assert mixed.token_ids[[0, 2, 3]].tolist() == a.token_ids[[0, 2, 3]].tolist()
 # --------------------------------------------------------------------------- masks
 
 
@@ -275,106 +296,3 @@ def test_sampler_half_precision_input_and_masked_vocab():
     assert (out.token_ids < 40).all() and torch.isfinite(out.logprobs).all()
     assert out.logprobs.dtype == torch.float32
 
-
-# --------------------------------------------------------------------------- StopChecker
-
-
-def _feed(checker, pieces, tokens=None):
-    tokens = tokens or [100 + i for i in range(len(pieces))]
-    results = [checker.update_delta(t, d) for t, d in zip(tokens, pieces)]
-    return results
-
-
-def test_stop_string_across_two_deltas():
-    c = StopChecker(SamplingParams(stop=["STOP"], max_tokens=50), eos_token_id=1)
-    r = _feed(c, ["Hello S", "TO", "P and more"])
-    assert [x.finished for x in r] == [False, False, True]
-    assert r[0].text == "Hello " and r[1].text == ""            # "S", "STO" held back
-    assert r[2] == (True, "stop", "")
-    assert c.output == "Hello " and c.stop_reason == "STOP"
-
-
-def test_stop_string_included_in_output():
-    c = StopChecker(SamplingParams(stop="STOP", include_stop_str_in_output=True), eos_token_id=1)
-    r = _feed(c, ["ab ST", "OP tail"])
-    assert r[0] == (False, None, "ab ST")                       # no hold-back needed here
-    assert r[1] == (True, "stop", "OP")
-    assert c.output == "ab STOP"
-
-
-def test_stop_string_inside_one_delta_and_full_text_api():
-    c = StopChecker(SamplingParams(stop=["\n\n", "END"]), eos_token_id=None)
-    assert c.update(5, "one") == (False, None, "one")
-    res = c.update(6, "one two END x\n\n")
-    assert res == (True, "stop", " two ")                       # earliest match wins
-    assert c.stop_reason == "END"
-
-
-def test_held_back_prefix_released_when_it_stops_matching():
-    c = StopChecker(SamplingParams(stop=["</answer>"], max_tokens=50), eos_token_id=1)
-    r = _feed(c, ["x </an", "swer", "-not", " ok"])
-    assert [x.text for x in r] == ["x ", "", "</answer-not", " ok"]
-    assert not any(x.finished for x in r)
-    assert c.output == "x </answer-not ok"
-
-
-def test_hold_back_uses_longest_possible_prefix():
-    c = StopChecker(SamplingParams(stop=["aab"], max_tokens=50), eos_token_id=None)
-    r = _feed(c, ["xa", "a", "a", "b"])
-    # "xa" -> hold "a"; "xaa" -> hold "aa"; "xaaa" -> "aa" still held, one "a" released
-    assert [x.text for x in r] == ["x", "", "a", ""]
-    assert r[-1].finished and c.output == "xa"
-
-
-def test_length_releases_held_back_text():
-    c = StopChecker(SamplingParams(stop=["STOP"], max_tokens=2), eos_token_id=1)
-    r = _feed(c, ["hi", " ST"])
-    assert r[0] == (False, None, "hi")
-    assert r[1] == (True, "length", " ST")
-    assert c.output == "hi ST" and c.num_tokens == 2
-
-
-def test_max_tokens_length():
-    c = StopChecker(SamplingParams(max_tokens=3), eos_token_id=1)
-    r = _feed(c, ["a", "b", "c"])
-    assert [x.finished for x in r] == [False, False, True]
-    assert r[-1].reason == "length" and c.output == "abc"
-    with pytest.raises(RuntimeError):
-        c.update_delta(5, "d")
-
-
-def test_stop_token_id():
-    c = StopChecker(SamplingParams(stop_token_ids=[42]), eos_token_id=1)
-    r = _feed(c, ["a", "b", "<x>"], tokens=[5, 6, 42])
-    assert r[-1] == (True, "stop", "") and c.output == "ab" and c.stop_reason == 42
-    c = StopChecker(SamplingParams(stop_token_ids=[42], include_stop_str_in_output=True))
-    _feed(c, ["a", "<x>"], tokens=[5, 42])
-    assert c.output == "a<x>"
-
-
-def test_eos_vs_ignore_eos():
-    c = StopChecker(SamplingParams(max_tokens=10), eos_token_id=1)
-    r = _feed(c, ["a", "</s>"], tokens=[5, 1])
-    assert r[-1] == (True, "stop", "") and c.output == "a" and c.stop_reason == 1
-    c = StopChecker(SamplingParams(max_tokens=3, ignore_eos=True), eos_token_id=1)
-    r = _feed(c, ["a", "</s>", "b"], tokens=[5, 1, 6])
-    assert [x.finished for x in r] == [False, False, True]
-    assert r[-1].reason == "length" and c.output == "a</s>b"
-    c = StopChecker(SamplingParams(), eos_token_id=[1, 2])          # several eos ids
-    assert c.update_delta(2, "") == (True, "stop", "")
-
-
-def test_stop_beats_length_on_last_token():
-    c = StopChecker(SamplingParams(max_tokens=2, stop=["X"]), eos_token_id=1)
-    r = _feed(c, ["a", "bXc"])
-    assert r[-1] == (True, "stop", "b")
-
-
-def test_outside_finish_releases_held_text_and_rejects_shrinking_text():
-    c = StopChecker(SamplingParams(stop=["STOP"]), eos_token_id=1)
-    assert c.update(5, "go S").text == "go "
-    with pytest.raises(ValueError):
-        c.update(6, "go")
-    assert c.held_back == "S"
-    assert c.finish("length") == (True, "length", "S")
-    assert c.output == "go S"

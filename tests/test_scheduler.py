@@ -8,24 +8,24 @@ from cedlm.engine.scheduler import RequestRejected, Scheduler
 
 class FakeAlloc:
     def __init__(self, blocks, bt, hits=None):
-        self.free, self.bt, self.held, self.hits = blocks, bt, {}, hits or {}
+        self.nfree, self.bt, self.held, self.hits = blocks, bt, {}, hits or {}
 
     def get_computed_blocks(self, req):
         h = self.hits.get(req.request_id, 0)
         self.held[req.request_id] = h // self.bt
-        self.free -= h // self.bt
+        self.nfree -= h // self.bt
         req.num_cached = req.num_prefix_hit = h
 
     def allocate_slots(self, req, tokens):
         need = -(-tokens // self.bt) - self.held.get(req.request_id, 0)
-        if need > self.free:
+        if need > self.nfree:
             return False
-        self.free -= max(need, 0)
+        self.nfree -= max(need, 0)
         self.held[req.request_id] = self.held.get(req.request_id, 0) + max(need, 0)
         return True
 
     def free(self, req):
-        self.free += self.held.pop(req.request_id, 0)
+        self.nfree += self.held.pop(req.request_id, 0)
 
 
 def mk(rid, n, max_tokens=4):
@@ -68,7 +68,7 @@ def test_chunked_prefill_then_decode():
         run_step(s, out)
     assert sizes == [5, 5, 2] and r.status is Status.RUNNING
     drain(s)
-    assert r.finished and a.free == 100 and not a.held
+    assert r.finished and a.nfree == 100 and not a.held
 
 
 def test_continuous_batching_admits_while_decoding():
@@ -83,7 +83,7 @@ def test_continuous_batching_admits_while_decoding():
     run_step(s, out)
     assert max(len(s.active) for _ in [0]) <= 3
     drain(s)
-    assert all(r.finished for r in reqs) and a.free == 100
+    assert all(r.finished for r in reqs) and a.nfree == 100
 
 
 def test_max_num_seqs_limits_admission():
@@ -102,7 +102,7 @@ def test_waits_when_memory_is_short_then_runs():
     r1, r2 = mk("1", 8, max_tokens=4), mk("2", 8, max_tokens=4)
     s.add(r1); s.add(r2)
     drain(s)
-    assert r1.finished and r2.finished and a.free == 4
+    assert r1.finished and r2.finished and a.nfree == 4
 
 
 def test_preemption_frees_newest_and_resumes():
@@ -118,7 +118,7 @@ def test_preemption_frees_newest_and_resumes():
         run_step(s, out)
         steps += 1
     assert "new" in preempted and "old" not in preempted
-    assert old.finished and new.finished and new.num_preemptions >= 1 and a.free == 5
+    assert old.finished and new.finished and new.num_preemptions >= 1 and a.nfree == 5
 
 
 def test_requests_that_can_never_fit_are_rejected():
@@ -141,9 +141,9 @@ def test_abort_releases_blocks():
     r = mk("a", 10)
     s.add(r)
     run_step(s, s.schedule())
-    assert a.free < 10
+    assert a.nfree < 10
     s.abort(r)
-    assert a.free == 10 and r.finished and not s.has_work
+    assert a.nfree == 10 and r.finished and not s.has_work
 
 
 def test_prefix_hit_skips_cached_tokens():

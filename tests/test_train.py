@@ -15,8 +15,10 @@ from safetensors.torch import load_file
 from cedlm.config import ModelConfig
 from cedlm.data.corpus import write_documents
 from cedlm.model.model import CEDModel
-from cedlm.train import checkpoint as ck
-from cedlm.train.data import BatchSampler, cache_path, token_cache, val_batches, val_windows
+from cedlm import checkpoint as ck
+from cedlm.train.checkpoint import load_training_state
+from cedlm.data.tokens import cache_path, token_cache
+from cedlm.train.data import BatchSampler, val_batches, val_windows
 from cedlm.train.train import build_parser, lr_at, resolve_args, train
 
 FIX = Path(__file__).parent / "fixtures" / "corpus"
@@ -184,7 +186,7 @@ def test_exact_resume(corpus, tmp_path):
 def test_max_minutes_stops_and_checkpoints(corpus, tmp_path):
     res = train(run_args(corpus, tmp_path / "t", "--steps", "50", "--max-minutes", "1e-9"))
     assert res["step"] == 1
-    state = ck.load_training_state(tmp_path / "t")
+    state = load_training_state(tmp_path / "t")
     assert state["step"] == 1 and state["args"]["steps"] == 50
 
 
@@ -210,7 +212,7 @@ def test_ddp_two_ranks_match_one_process(corpus, tmp_path):
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5)
     assert two[-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=1e-5, abs=1e-5)
-    state = ck.load_training_state(tmp_path / "two")
+    state = load_training_state(tmp_path / "two")
     assert state["world_size"] == 2
     # same MoE balancing decisions: the biases follow the all-reduced load exactly
     # (weights agree only to Adam-amplified rounding: g / sqrt(v) of near-zero grads)

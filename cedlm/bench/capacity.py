@@ -30,7 +30,7 @@ def _paged_model(model, budget: int, contexts, ids_short, ids_odd):
     from cedlm.engine.engine import Engine, EngineConfig
     from cedlm.plan import kv_bytes_per_token, sequence_bytes, window_bytes_per_sequence
     cfg = model.cfg
-    probe = BlockPool(cfg, 1, BLOCK)
+    probe = BlockPool(model.kv_layout, 1, BLOCK)
     bpb = probe.bytes_per_block
     st = model.new_state()
     window = st.nbytes()["window"]

@@ -26,7 +26,7 @@ OFFICIAL = [  # (label, preset, which number)
 
 
 def run(ctx: Ctx) -> dict:
-    from cedlm.cache.block_pool import BlockPool, min_block_tokens
+    from cedlm.cache.block_pool import BlockPool
     from cedlm.engine.engine import Engine, EngineConfig
     from cedlm.plan import kv_bytes_per_token
 
@@ -55,8 +55,8 @@ def run(ctx: Ctx) -> dict:
     # V4-Flash-style twin of small: a paged pool and a SequenceState after a real prefill
     v4 = ctx.v4()
     f_v4 = kv_bytes_per_token(v4.cfg)["total"]
-    bt = min_block_tokens(v4.cfg)
-    pool = BlockPool(v4.cfg, 1, bt)
+    bt = v4.kv_layout.min_block_tokens
+    pool = BlockPool(v4.kv_layout, 1, bt)
     st4 = v4.new_state()
     v4.prefill(ids, st4, "full", chunk_size=256)
     nb4 = st4.nbytes()

@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import re
-import tempfile
 import unicodedata
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
+
+from cedlm.text.documents import DOC_SEPARATOR, iter_documents, write_documents  # noqa: F401
+from cedlm.util import atomic_open
 
 from .sources import SOURCES, Source, SourceError, deb_versions
 
-DOC_SEPARATOR = "<｜end▁of▁sentence｜>"
 DEFAULT_OUT = "data/corpus"
 DEFAULT_CACHE = "data/cache"
 DEFAULT_MAX_MB = 40.0
@@ -126,37 +125,6 @@ def cap_sizes(sizes: dict[str, int], cap: int) -> dict[str, int]:
 # ----------------------------------------------------------------------------- atomic writes
 
 
-@contextmanager
-def atomic_open(path: str | Path, mode: str = "w", encoding: str | None = "utf-8"):
-    """Open a temp file beside ``path``; on success fsync and rename it over ``path``.
-
-    On an exception the temp file is removed and ``path`` is left as it was.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        kw = {} if "b" in mode else {"encoding": encoding, "newline": "\n"}
-        with os.fdopen(fd, mode, **kw) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def atomic_write_text(path: str | Path, text: str) -> None:
     with atomic_open(path) as f:
         f.write(text)
@@ -168,33 +136,6 @@ def sha256_file(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-# ----------------------------------------------------------------------------- reading back
-
-
-def iter_documents(path: str | Path) -> Iterator[str]:
-    """Yield the documents of a ``train.txt``/``val.txt`` file (separator lines removed)."""
-    sep = DOC_SEPARATOR + "\n"
-    buf: list[str] = []
-    with open(path, encoding="utf-8", newline="\n") as f:
-        for line in f:
-            if line == sep or line == DOC_SEPARATOR:
-                yield "".join(buf).removesuffix("\n")
-                buf = []
-            else:
-                buf.append(line)
-    if "".join(buf).strip():
-        yield "".join(buf).removesuffix("\n")
-
-
-def write_documents(f, docs: Iterable[str]) -> int:
-    n = 0
-    for d in docs:
-        data = d + "\n" + DOC_SEPARATOR + "\n"
-        f.write(data)
-        n += len(data.encode("utf-8"))
-    return n
 
 
 # ----------------------------------------------------------------------------- prepare

@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from cedlm.engine.llm import LLM
-    from cedlm.engine.sampler import SamplingParams
+    from cedlm.engine.sampling_params import SamplingParams
     t0 = time.monotonic()
     llm = LLM(model=args.model, prefill_mode=args.prefill_mode, num_threads=args.threads,
               engram_mmap=args.engram_mmap)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from cedlm.engine.engine import Engine, EngineConfig
 from cedlm.engine.loader import load
-from cedlm.engine.sampler import SamplingParams
+from cedlm.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -80,7 +80,6 @@ class LLM:
                 r.finish_reason, r.output_logprobs if want_lp else None,
                 r.top_logprobs if want_lp and r.params.logprobs else None, r.num_prefix_hit,
                 {"elapsed_s": dt, "preemptions": r.num_preemptions}))
-            self.engine.requests.pop(r.request_id, None)
         return outs
 
     # ---------------------------------------------------------------- sessions

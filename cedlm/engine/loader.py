@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from cedlm.config import ConfigError, ModelConfig
+from cedlm.config.presets import PRESETS
 from cedlm.model import CEDModel
-from cedlm.presets import PRESETS
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 DEFAULT_MODEL = ASSETS / "model"
@@ -28,14 +28,15 @@ def tokenizer_for_vocab(vocab_size: int):
 
 
 def load(model=None, tokenizer=None, seed: int = 0):
-    m, tok = _load(model, tokenizer, seed)
+    m, tok = load_any(model, tokenizer, seed)
     if not isinstance(m, CEDModel):
         raise ConfigError("model: the decoder-only twin (arch 'twin') is a benchmark baseline; "
                           "the engine serves CED models (arch 'ced')")
     return m, tok
 
 
-def _load(model=None, tokenizer=None, seed: int = 0):
+def load_any(model=None, tokenizer=None, seed: int = 0):
+    """As `load`, but any architecture: the decoder-only twin loads too (for comparisons)."""
     if isinstance(model, CEDModel):
         return model.eval(), tokenizer if tokenizer is not None else tokenizer_for_vocab(model.cfg.vocab_size)
     if model is None:
@@ -45,8 +46,8 @@ def _load(model=None, tokenizer=None, seed: int = 0):
         model = DEFAULT_MODEL
     if isinstance(model, str) and model in PRESETS:
         cfg = ModelConfig.preset(model)
-        from cedlm.plan import plan
-        n = plan(cfg)["params_total"]
+        from cedlm.config.params import param_counts
+        n = param_counts(cfg)["total"]
         if n > MAX_BUILD_PARAMS:
             raise ConfigError(f"model: preset {model!r} has {n:,} parameters; it is for accounting "
                               f"(cedlm plan), not for building on this machine")
@@ -54,13 +55,13 @@ def _load(model=None, tokenizer=None, seed: int = 0):
         m = CEDModel(cfg).eval()
         tok = tokenizer if tokenizer is not None else tokenizer_for_vocab(cfg.vocab_size)
         if tok is not None:
-            from cedlm.train.checkpoint import set_token_map
+            from cedlm.checkpoint import set_token_map
             set_token_map(m, tok)
         return m, tok
     path = Path(model)
     if not path.exists():
         raise FileNotFoundError(f"model: {model!r} is neither a checkpoint directory nor a preset "
                                 f"({sorted(PRESETS)})")
-    from cedlm.train.checkpoint import load_model
+    from cedlm.checkpoint import load_model
     m, tok = load_model(path)
     return m, tokenizer if tokenizer is not None else tok

@@ -25,14 +25,14 @@ DEFAULT_SEQ_LEN = 256
 def resolve_model(spec: str | Path | None):
     """--model value -> (model, tokenizer, name): a checkpoint or run directory, a preset, or
     None for the shipped default model. The decoder-only twin loads too (for comparisons)."""
-    from cedlm.engine.loader import DEFAULT_MODEL, _load
-    from cedlm.presets import PRESETS
+    from cedlm.config.presets import PRESETS
+    from cedlm.engine.loader import DEFAULT_MODEL, load_any
     if spec is not None and str(spec) not in PRESETS:
-        from cedlm.train.checkpoint import load_model, resolve_checkpoint
+        from cedlm.checkpoint import load_model, resolve_checkpoint
         path = resolve_checkpoint(spec)
         model, tok = load_model(path)
         return model, tok, str(path)
-    model, tok = _load(spec)
+    model, tok = load_any(spec)
     return model, tok, str(spec or DEFAULT_MODEL)
 
 
@@ -104,7 +104,7 @@ def evaluate_unigram(logp: np.ndarray, tokenizer, text: str, model_name: str = "
 
 def unigram_baseline(train_file: str | Path, text: str, tokenizer, cache_dir: str | Path | None = None) -> dict:
     """Fit on `train_file` (corpus format or plain text; tokenised through the token cache)."""
-    from cedlm.train.data import token_cache
+    from cedlm.data.tokens import token_cache
     tokens = token_cache(train_file, tokenizer, cache_dir)
     logp = fit_unigram(tokens, tokenizer.vocab_size)
     out = evaluate_unigram(logp, tokenizer, text)

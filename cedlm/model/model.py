@@ -14,6 +14,8 @@ through a `KVCache` backend: `TrainingKVCache` for the training forward, `ByteKV
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -74,7 +76,6 @@ class CEDModel(nn.Module):
             raise ConfigError(f"family: {cfg.family!r} configs are for accounting only "
                               f"(runnable: {RUNNABLE_FAMILIES})")
         self.cfg = cfg
-        self.kv_layout = KVLayout.from_config(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -83,6 +84,12 @@ class CEDModel(nn.Module):
         self.register_buffer("engram_token_map", torch.arange(cfg.vocab_size) % max(
             cfg.engram_compressed_vocab_size, 1), persistent=False)
         self._init_weights()
+
+    @functools.cached_property
+    def kv_layout(self) -> KVLayout:
+        """Row kinds and byte counts of this model's caches (built on first use: a model can
+        be built and trained in a config whose storage formats have no byte layout)."""
+        return KVLayout.from_config(self.cfg)
 
     def _init_weights(self):
         std = self.cfg.initializer_range

@@ -47,7 +47,7 @@ def max_sequences(memory_bytes: float, bytes_per_sequence: int) -> int:
 def concurrency_example(devices: dict = DEVICES, models=EXAMPLE_MODELS,
                         contexts=EXAMPLE_CONTEXTS) -> dict:
     """Sequences that fit on one accelerator, KV only: (memory - reserve) // bytes_per_sequence."""
-    from cedlm.presets import PRESETS
+    from cedlm.config.presets import PRESETS
     cfgs = {m: PRESETS[m]() for m in models}
     rows = []
     for m, cfg in cfgs.items():

@@ -4,15 +4,11 @@ from __future__ import annotations
 from fractions import Fraction
 
 from cedlm.config import ConfigError, ModelConfig
+from cedlm.kv_layout import PART_OF_KIND, KVLayout
+from cedlm.config.params import json_number as _num
 
 GIB = 1 << 30
 MIB = 1 << 20
-
-
-def _num(x):
-    """A Fraction/int as a JSON number: an int when integral (890, not 890.0), else a float."""
-    x = Fraction(x)
-    return int(x) if x.denominator == 1 else float(x)
 
 
 # ============================================================================ KV bytes
@@ -61,20 +57,15 @@ def kv_bytes_per_token(cfg: ModelConfig) -> dict:
     fam = cfg.family
     if fam in ("ced", "v4"):
         headline = f"compressed main KV ({cfg.main_kv_format}) + index keys ({cfg.index_kv_format})"
-        groups: dict[tuple, list[int]] = {}
-        for s in cfg.kv_source_layer_ids:
-            groups.setdefault(("main_kv", cfg.compress_ratios[s]), []).append(s)
-        for s in cfg.index_key_layer_ids:
-            groups.setdefault(("index_keys", cfg.compress_ratios[s]), []).append(s)
-        fmts = {"main_kv": (cfg.main_kv_format, cfg.head_dim),
-                "index_keys": (cfg.index_kv_format, cfg.index_head_dim)}
-        for (kind, r), layers in sorted(groups.items(), key=lambda kv: (kv[0][0] != "main_kv",
-                                                                         kv[1][0])):
-            fmt, dim = fmts[kind]
-            eb = entry_bytes(cfg, fmt, dim)
-            parts.append({"part": kind, "format": fmt, "ratio": r, "layers": layers,
-                          "n_layers": len(layers), "entry_bytes": eb,
-                          "bytes_per_token": _num(Fraction(eb * len(layers), r))})
+        groups: dict[tuple, list] = {}
+        for spec in KVLayout.from_config(cfg).rows:
+            groups.setdefault((PART_OF_KIND[spec.kind], spec.ratio), []).append(spec)
+        for (kind, r), specs in sorted(groups.items(), key=lambda kv: (kv[0][0] != "main_kv",
+                                                                        kv[1][0].layer)):
+            parts.append({"part": kind, "format": specs[0].fmt, "ratio": r,
+                          "layers": [s.layer for s in specs], "n_layers": len(specs),
+                          "entry_bytes": specs[0].width,
+                          "bytes_per_token": _num(sum(s.bytes_per_token for s in specs))})
         if fam == "v4":
             assumptions.append(V4_INDEX_ASSUMPTION)
             eb = entry_bytes(cfg, cfg.main_kv_format, cfg.head_dim)
@@ -122,12 +113,12 @@ def window_bytes_per_sequence(cfg: ModelConfig) -> dict:
     out = {"window": 0, "dspark_window": 0, "compressor_state": 0, "assumptions": []}
     if cfg.family not in ("ced", "v4"):
         return out
-    wb = entry_bytes(cfg, cfg.window_kv_format, cfg.head_dim)
+    layout = KVLayout.from_config(cfg)
+    wb = layout.window_entry_bytes
     out["window_entry_bytes"] = wb
-    out["window"] = cfg.n_layers * cfg.sliding_window * wb
-    out["dspark_window"] = cfg.num_nextn_predict_layers * cfg.sliding_window * wb
-    out["compressor_state"] = sum((cfg.compress_ratios[s] - 1) * 2 * cfg.head_dim * 4
-                                  for s in cfg.kv_source_layer_ids if cfg.compress_ratios[s] > 1)
+    out["window"] = layout.window_bytes_per_sequence
+    out["dspark_window"] = layout.dspark_window_bytes_per_sequence
+    out["compressor_state"] = layout.max_pending_bytes
     if cfg.family == "v4":
         out["assumptions"].append(
             f"V4-Flash window and MTP rings use the config's window format "

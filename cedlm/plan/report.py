@@ -127,7 +127,7 @@ def _int_tokens(s: str) -> int:
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", metavar="PATH", help="a config.json (V4.1, V4, V3 or llama schema)")
-    src.add_argument("--preset", metavar="NAME", help="a named preset (cedlm.presets.PRESETS)")
+    src.add_argument("--preset", metavar="NAME", help="a named preset (cedlm.config.presets.PRESETS)")
     p.add_argument("--context", type=_int_tokens, metavar="N",
                    help="tokens per sequence (e.g. 1048576, 128k, 1M)")
     p.add_argument("--memory-gib", type=float, metavar="M", help="memory for KV, in GiB")

@@ -38,7 +38,7 @@ def default_served_name(model) -> str:
     """The served name for `cedlm serve --model MODEL` (None = the shipped default model)."""
     if model is None:
         return DEFAULT_MODEL_NAME
-    from cedlm.presets import PRESETS
+    from cedlm.config.presets import PRESETS
     if isinstance(model, str) and model in PRESETS:
         return f"cedlm-{model}" if model in ("tiny", "small") else model
     return Path(str(model)).resolve().name

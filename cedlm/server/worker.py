@@ -13,6 +13,10 @@ request's asyncio.Queue with `loop.call_soon_threadsafe`:
 Admission control: at most `max_waiting` requests wait in the scheduler when the engine cannot
 admit at once (more -> 429 at submit), and a request not admitted within `queue_timeout` seconds
 is withdrawn (429). Both carry `retry_after` seconds.
+
+The engine is read only through its public surface: `add_request`, `abort` (which also forgets
+the request), `step` (which forgets the requests that finished), `has_work` and `snapshot()`;
+`snapshot` here is the last engine snapshot as a dict, plus the 429 counts, for the metrics.
 """
 from __future__ import annotations
 
@@ -23,10 +27,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from cedlm.engine.request import Status
 from cedlm.engine.scheduler import RequestRejected
+
+if TYPE_CHECKING:
+    from cedlm.engine.engine import EngineSnapshot
 
 log = logging.getLogger("cedlm.server")
 
@@ -153,6 +160,7 @@ class EngineWorker:
             if self._stop:
                 break
             self._expire()
+            progressed = True
             if eng.has_work:
                 try:
                     eng.step()
@@ -162,9 +170,9 @@ class EngineWorker:
                                           type="server_error", code="engine_error"))
                     continue
                 progressed = self._publish()
-                if not progressed:
-                    time.sleep(0.001)             # nothing could move (waiting on memory): don't spin hot
-            self._update_snapshot()
+            snap = self._update_snapshot()
+            if not progressed and snap is not None and snap.num_running == 0:
+                time.sleep(0.001)                 # nothing could move (waiting on memory): don't spin hot
         self._fail_all(Failed(503, "the server is shutting down", type="server_error",
                               code="shutting_down"))
         self._update_snapshot()
@@ -184,10 +192,8 @@ class EngineWorker:
             if kind == "add":
                 self._add(arg)
             elif kind == "abort":
-                t = self._tracked.pop(arg, None)
-                if t is not None:
+                if self._tracked.pop(arg, None) is not None:
                     self.engine.abort(arg)
-                    self.engine.requests.pop(arg, None)
             elif kind == "call":
                 fn, fut = arg
                 if fut.set_running_or_notify_cancel():
@@ -196,18 +202,22 @@ class EngineWorker:
                     except BaseException as e:   # noqa: BLE001 - handed to the caller
                         fut.set_exception(e)
 
-    def _cannot_admit_now(self) -> bool:
-        s = self.engine.scheduler
-        return bool(s.waiting) or len(s.active) >= s.max_num_seqs
+    def _queue_full(self) -> EngineSnapshot | None:
+        """The engine's snapshot when the request must be refused: the waiting queue is at its
+        bound and the engine cannot admit at once; None when it may be queued."""
+        if self.max_waiting is None:
+            return None
+        s = self.engine.snapshot()
+        cannot_admit_now = s.num_waiting > 0 or s.num_running >= s.max_num_seqs
+        return s if s.num_waiting >= self.max_waiting and cannot_admit_now else None
 
     def _add(self, sub: _Submit) -> None:
-        s = self.engine.scheduler
-        if (self.max_waiting is not None and len(s.waiting) >= self.max_waiting
-                and self._cannot_admit_now()):
+        s = self._queue_full()
+        if s is not None:
             self.rejected["queue_full"] += 1
             self._send(sub, Failed(
-                429, f"the server is full: {len(s.active)} requests running (max_num_seqs "
-                     f"{s.max_num_seqs}) and {len(s.waiting)} waiting (queue bound {self.max_waiting}); "
+                429, f"the server is full: {s.num_running} requests running (max_num_seqs "
+                     f"{s.max_num_seqs}) and {s.num_waiting} waiting (queue bound {self.max_waiting}); "
                      f"retry after {self.retry_after} s",
                 code="rate_limit_exceeded", type="rate_limit_error", retry_after=self.retry_after))
             return
@@ -232,7 +242,6 @@ class EngineWorker:
             if not t.admitted and t.req.status is Status.WAITING and not t.req.output_ids \
                     and now - t.submitted > self.queue_timeout:
                 self.engine.abort(rid)
-                self.engine.requests.pop(rid, None)
                 del self._tracked[rid]
                 self.rejected["queue_timeout"] += 1
                 self._send(t, Failed(
@@ -259,10 +268,9 @@ class EngineWorker:
                 progressed = True
             if r.finished:
                 self._send(t, Finished(r.finish_reason or "stop", len(r.prompt_ids), n, t.cached))
-                del self._tracked[rid]
-                self.engine.requests.pop(rid, None)
+                del self._tracked[rid]           # (the engine forgot it in step())
                 progressed = True
-        return progressed or bool(self.engine.scheduler.active)
+        return progressed
 
     def _fail_all(self, failure: Failed) -> None:
         for rid, t in list(self._tracked.items()):
@@ -270,21 +278,24 @@ class EngineWorker:
                 self.engine.abort(rid)
             except Exception:                     # noqa: BLE001 - best effort while failing
                 log.exception("abort of %s failed", rid)
-            self.engine.requests.pop(rid, None)
             self._send(t, failure)
         self._tracked.clear()
 
-    def _update_snapshot(self) -> None:
-        eng = self.engine
+    def _update_snapshot(self) -> EngineSnapshot | None:
+        """Refresh `snapshot` (what metrics read) from the engine's; returns the engine's snapshot,
+        or None when it could not be taken (the previous engine values are kept)."""
         try:
-            kv = eng.kv_stats()
+            s = self.engine.snapshot()
         except Exception:                         # noqa: BLE001 - stats must never kill the loop
-            kv = {}
+            log.debug("engine snapshot failed", exc_info=True)
+            self.snapshot = {**self.snapshot, "rejected": dict(self.rejected)}
+            return None
         self.snapshot = {
-            "running": len(eng.scheduler.active),
-            "waiting": len(eng.scheduler.waiting),
-            "kv": kv,
-            "peak": dict(eng.peak),
-            "counters": dict(eng.counters),
+            "running": s.num_running,
+            "waiting": s.num_waiting,
+            "kv": s.kv,
+            "peak": s.peak,
+            "counters": s.counters,
             "rejected": dict(self.rejected),
         }
+        return s

@@ -1,1 +1,2 @@
-"""Text side of cedlm: tokenizer (byte-level BPE, official DeepSeek vocabulary) and chat encoding."""
+"""Text side of cedlm: tokenizer (byte-level BPE, official DeepSeek vocabulary), chat encoding and
+the corpus document format (`documents`)."""

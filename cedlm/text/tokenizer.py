@@ -122,12 +122,14 @@ class Tokenizer:
     # --------------------------------------------------------------------------------- files
     def save(self, out_dir: str | Path) -> Path:
         """Write ``tokenizer.json`` and an HF-style ``tokenizer_config.json`` into ``out_dir``."""
-        from cedlm.data.corpus import atomic_write_text
+        from cedlm.util import atomic_open
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "tokenizer.json", self.hf.to_str(pretty=False))
-        atomic_write_text(out / "tokenizer_config.json", json.dumps(self.config(), indent=2, ensure_ascii=False) + "\n")
+        with atomic_open(out / "tokenizer.json") as f:
+            f.write(self.hf.to_str(pretty=False))
+        with atomic_open(out / "tokenizer_config.json") as f:
+            f.write(json.dumps(self.config(), indent=2, ensure_ascii=False) + "\n")
         return out
 
     def config(self) -> dict:
@@ -249,7 +251,7 @@ def build_untrained(vocab_size: int = DEFAULT_VOCAB):
 
 
 def _iter_training_text(files: Iterable[str | Path], max_chars: int | None) -> Iterator[str]:
-    from cedlm.data.corpus import iter_documents
+    from cedlm.text.documents import iter_documents
 
     seen = 0
     for f in files:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from cedlm.train.checkpoint import load_model, resolve_checkpoint
+from cedlm.checkpoint import load_model, resolve_checkpoint
 
 
 def export_model(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16,

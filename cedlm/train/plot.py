@@ -10,7 +10,7 @@ def plot_metrics(metrics: list[dict], path: str | Path, smoothing: float = 0.9) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from cedlm.data.corpus import atomic_open
+    from cedlm.util import atomic_open
 
     steps = [m["step"] for m in metrics if m.get("loss") is not None]
     loss = [m["loss"] for m in metrics if m.get("loss") is not None]

@@ -13,7 +13,7 @@ Gradients are averaged with one all-reduce of a flat buffer rather than the DDP 
 that no token of the global batch chose keep `grad = None` exactly as in a single process (AdamW
 then skips them), which is what makes N ranks reproduce one process on the same global batch.
 
-A run directory holds `checkpoint/` (HF-style, see checkpoint.py), `metrics.jsonl` (one line per
+A run directory holds `checkpoint/` (HF-style, see cedlm/checkpoint.py), `metrics.jsonl` (one line per
 step; eval steps add val_loss and val_ppl) and `loss.png`. Resuming restores the optimizer, step,
 RNG and sampler states: N steps straight and N/2 + resume + N/2 give bitwise equal weights.
 """
@@ -31,12 +31,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cedlm import checkpoint as ckpt_io
 from cedlm.config import ModelConfig
+from cedlm.data.tokens import token_cache
 from cedlm.model import build_model
 from cedlm.model.model import CEDModel
 from cedlm.text.tokenizer import load_tokenizer
-from cedlm.train import checkpoint as ckpt_io
-from cedlm.train.data import BatchSampler, token_cache, val_batches
+from cedlm.train import checkpoint as train_state
+from cedlm.train.data import BatchSampler, val_batches
 from cedlm.train.plot import plot_metrics
 
 DEFAULTS = dict(
@@ -200,7 +202,7 @@ def default_threads() -> int:
 # ---------------------------------------------------------------------------- training
 def train(given: argparse.Namespace) -> dict:
     """Run training; returns {"step", "loss", "val_loss", "metrics", "out"} (rank 0's view)."""
-    saved_state = ckpt_io.load_training_state(given.resume) if getattr(given, "resume", None) else None
+    saved_state = train_state.load_training_state(given.resume) if getattr(given, "resume", None) else None
     a = resolve_args(given, saved_state["args"] if saved_state else None)
     rank, world, device = setup_distributed(a.device)
     torch.set_num_threads(a.threads or default_threads())
@@ -247,7 +249,7 @@ def train(given: argparse.Namespace) -> dict:
     if saved_state:
         opt.load_state_dict(saved_state["optimizer"])
         sampler.load_state_dict(saved_state["sampler"])
-        ckpt_io.set_rng_state(saved_state["rng"][rank] if rank < len(saved_state["rng"])
+        train_state.set_rng_state(saved_state["rng"][rank] if rank < len(saved_state["rng"])
                               else saved_state["rng"][0])
         step, metrics = saved_state["step"], list(saved_state["metrics"])
         elapsed0 = saved_state.get("elapsed", 0.0)
@@ -264,7 +266,7 @@ def train(given: argparse.Namespace) -> dict:
 
     def save():
         # Every rank's RNG state: identical today (no dropout), kept per rank for exactness.
-        rngs = [ckpt_io.rng_state()]
+        rngs = [train_state.rng_state()]
         if world > 1:
             gathered = [None] * world
             dist.all_gather_object(gathered, rngs[0])

@@ -7,8 +7,8 @@ Reuse layers; Engram layers, mHC, MoE with a shared expert, DSpark schedule entr
 """
 from __future__ import annotations
 
-from cedlm.config import CONFIG_DIR, ModelConfig
-from cedlm.model.engram import engram_table_rows
+from cedlm.config.engram_sizes import engram_table_rows
+from cedlm.config.schema import CONFIG_DIR, ModelConfig
 
 
 def _official(name: str):

@@ -1,4 +1,5 @@
-"""Model configuration: the official `deepseek_v41` config.json schema as a dataclass.
+"""The `ModelConfig` dataclass: the official `deepseek_v41` config.json schema, its derived layer
+roles, and JSON reading/writing that round-trips the official file.
 
 `ModelConfig.from_json` reads the official V4.1 file (fields under `text_config`, the rest kept
 for round-trip), the flat V4-Flash schema (mapped onto the same roles: every compressed layer is
@@ -14,15 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CONFIG_DIR = Path(__file__).parent / "configs"
+from cedlm.config.validate import ConfigError, validate as _validate
+
+# The official config.json files shipped with the package (`ModelConfig.preset` names them).
+CONFIG_DIR = Path(__file__).parent / "official"
 
 # Families: "ced" (V4.1 schema; runnable), "v4" (V4-Flash schema; runnable as a CSA/HCA twin),
 # "mla" (V3; accounting only), "llama" (dense GQA; accounting only).
 RUNNABLE_FAMILIES = ("ced", "v4")
-
-
-class ConfigError(ValueError):
-    """An invalid configuration; the message names the offending field."""
 
 
 @dataclass
@@ -101,8 +101,8 @@ class ModelConfig:
     main_kv_format: str = "kv_fp4"        # kv_fp4 (V4.1, 288 B/512) | v4_fp8 (V4, 584 B/512) | bf16
     index_kv_format: str = "index_fp4"    # index keys: 68 B/128
     window_kv_format: str = "window_fp8"  # 528 B/512
-    # DESIGN.md lists a weightless per-head RMS norm of the queries; vLLM's V4.1 and the PyPTO
-    # reference port do not apply one (V4 did). Off by default to match V4.1; kept as an option.
+    # A weightless per-head RMS norm of the queries: V4 applied one; vLLM's V4.1 and the PyPTO
+    # port do not. Off by default to match V4.1; kept as an option.
     q_head_norm: bool = False
     # Which stack to build from this config: the CED model, or its decoder-only twin (baseline).
     arch: str = "ced"
@@ -193,111 +193,8 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        if self.family not in ("ced", "v4", "mla", "llama"):
-            raise ConfigError(f"family: unknown {self.family!r}")
-        if self.arch not in ("ced", "twin"):
-            raise ConfigError(f"arch: {self.arch!r} is not 'ced' or 'twin'")
-        if self.family in ("mla", "llama"):
-            return
-        L = self.num_hidden_layers
-
-        def need(cond: bool, fld: str, msg: str):
-            if not cond:
-                raise ConfigError(f"{fld}: {msg}")
-
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window",
-                     "hc_mult", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok"):
-            need(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
-        need(len(self.compress_ratios) in (L, L + self.num_nextn_predict_layers), "compress_ratios",
-             f"has {len(self.compress_ratios)} entries; expected num_hidden_layers ({L}) "
-             f"+ num_nextn_predict_layers ({self.num_nextn_predict_layers}) = "
-             f"{L + self.num_nextn_predict_layers}")
-        for i in range(L, len(self.compress_ratios)):
-            need(self.compress_ratios[i] == 0, "compress_ratios",
-                 f"entry {i} is a DSpark/MTP block and must be 0 (SWA only)")
-        need(all(r >= 0 for r in self.compress_ratios), "compress_ratios", "must be >= 0")
-        need(self.qk_rope_head_dim % 2 == 0 and 0 < self.qk_rope_head_dim <= self.head_dim,
-             "qk_rope_head_dim", f"must be even and in (0, head_dim={self.head_dim}]")
-        need(self.num_attention_heads % self.o_groups == 0, "o_groups",
-             f"num_attention_heads ({self.num_attention_heads}) must be a multiple of o_groups")
-        need(self.num_key_value_heads == 1, "num_key_value_heads",
-             "must be 1 (single shared latent as K and V)")
-        need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
-             f"{self.num_experts_per_tok} > n_routed_experts {self.n_routed_experts}")
-        need(self.scoring_func in ("sqrtsoftplus", "sigmoid", "softmax"), "scoring_func",
-             f"unsupported {self.scoring_func!r}")
-
-        def ids_ok(fld: str, ids: list[int]):
-            need(ids == sorted(set(ids)), fld, f"must be strictly increasing, got {ids}")
-            need(all(0 <= i < L for i in ids), fld, f"ids must be in [0, {L}), got {ids}")
-
-        ids_ok("kv_source_layer_ids", self.kv_source_layer_ids)
-        ids_ok("index_source_layer_ids", self.index_source_layer_ids)
-        ids_ok("engram_layer_ids", self.engram_layer_ids)
-        for s in self.kv_source_layer_ids:
-            need(self.compress_ratios[s] > 0, "kv_source_layer_ids",
-                 f"layer {s} has compress_ratio 0; a KV source must compress (ratio >= 1)")
-        for i in range(L):
-            if self.compress_ratios[i] > 0:
-                src = self.kv_source_of(i)
-                need(src is not None, "kv_source_layer_ids",
-                     f"layer {i} (ratio {self.compress_ratios[i]}) has no KV source at or below it")
-                need(self.compress_ratios[src] == self.compress_ratios[i], "compress_ratios",
-                     f"layer {i} has ratio {self.compress_ratios[i]} but its KV source {src} "
-                     f"has ratio {self.compress_ratios[src]}")
-        for s in self.index_source_layer_ids:
-            need(self.compress_ratios[s] > 0, "index_source_layer_ids",
-                 f"layer {s} has compress_ratio 0")
-        for s in self.index_source_layer_ids:
-            if s not in self.kv_source_layer_ids:        # a Reindex layer scores its source's keys
-                need(self.kv_source_of(s) in self.index_source_layer_ids, "index_source_layer_ids",
-                     f"Reindex layer {s} needs index keys, but its KV source "
-                     f"{self.kv_source_of(s)} is not an index source")
-        # A compressed layer whose latest index source scores another KV source (V4's HCA
-        # layers) attends to every visible entry of its own source instead.
-        c = self.candidate_source_layer_id
-        if c is not None:
-            need(c in self.kv_source_layer_ids, "candidate_source_layer_id",
-                 f"layer {c} is not a KV source ({self.kv_source_layer_ids})")
-            need(c in self.index_source_layer_ids, "candidate_source_layer_id",
-                 f"layer {c} is not an index source")
-            need(self.candidate_block_size > 0 and self.candidate_topk_blocks > 0,
-                 "candidate_block_size", "candidate_block_size and candidate_topk_blocks must be > 0")
-        d0 = self.decoder_start
-        for i in range(d0, L):
-            need(self.compress_ratios[i] == 1, "compress_ratios",
-                 f"decoder layer {i} (after global-KV source {d0}) must have ratio 1")
-        need(len([i for i in self.kv_source_layer_ids if self.compress_ratios[i] == 1]) <= 1,
-             "kv_source_layer_ids", "at most one ratio-1 (global KV) source is supported")
-        for e in self.engram_layer_ids:
-            need(e < d0, "engram_layer_ids",
-                 f"layer {e} is in the decoder (>= {d0}); decoder layers see only trailing tokens "
-                 "at prefill, so Engram must sit in the encoder")
-        need(len(self.engram_num_embeddings) == len(self.engram_layer_ids), "engram_num_embeddings",
-             f"has {len(self.engram_num_embeddings)} entries for "
-             f"{len(self.engram_layer_ids)} engram_layer_ids")
-        if self.engram_layer_ids:
-            need(self.engram_max_ngram_size >= 2, "engram_max_ngram_size", "must be >= 2")
-            need(self.engram_n_heads > 0 and self.engram_head_dim > 0, "engram_n_heads",
-                 "engram_n_heads and engram_head_dim must be positive")
-            need(self.engram_vocab_size >= 3, "engram_vocab_size", "must be >= 3")
-        need(len(self.dspark_target_layer_ids) in (0, self.num_nextn_predict_layers) or
-             self.num_nextn_predict_layers == 0, "dspark_target_layer_ids",
-             f"has {len(self.dspark_target_layer_ids)} entries for "
-             f"{self.num_nextn_predict_layers} num_nextn_predict_layers")
-        need(all(0 <= i < L for i in self.dspark_target_layer_ids), "dspark_target_layer_ids",
-             f"ids must be in [0, {L})")
-        # Byte formats: every quantized dim must be a multiple of its scale block.
-        from cedlm.quant import FORMATS
-        for fld, fmt, dim in (("head_dim", self.main_kv_format, self.head_dim),
-                              ("head_dim", self.window_kv_format, self.head_dim),
-                              ("index_head_dim", self.index_kv_format, self.index_head_dim)):
-            if fmt in FORMATS and dim % FORMATS[fmt].block != 0:
-                raise ConfigError(f"{fld}: {dim} is not a multiple of the {fmt} scale block "
-                                  f"({FORMATS[fmt].block})")
-        need(self.main_kv_format in ("kv_fp4", "v4_fp8", "window_fp8", "bf16", "none"),
-             "main_kv_format", f"unknown {self.main_kv_format!r}")
+        """Raise `ConfigError` naming the first invalid field (see `cedlm.config.validate`)."""
+        _validate(self)
 
     # ------------------------------------------------------------------ (de)serialisation
     _TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id")
@@ -453,7 +350,7 @@ class ModelConfig:
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
-        from cedlm.presets import PRESETS
+        from cedlm.config.presets import PRESETS
         if name not in PRESETS:
             raise ConfigError(f"preset: unknown {name!r}; choose from {sorted(PRESETS)}")
         return PRESETS[name]()

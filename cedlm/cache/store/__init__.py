@@ -1,0 +1,39 @@
+"""Persistent store for per-sequence cache entries (global KV rows, index keys, token ids, compressor
+state): one self-describing, checksummed blob per key (`record`), in a directory (`dir_store`) or
+in Redis (`redis_store`); `open_store` picks the backend from a spec string.
+
+A blob that fails validation is a miss for every backend (counted in ``stats()["corrupt"]``) and
+the bad entry is deleted. Window (SWA) state is deliberately not part of any record: it is rebuilt
+by replaying tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cedlm.cache.store.base import Store
+from cedlm.cache.store.dir_store import DirStore, _host_tag, _write_parts  # noqa: F401 - test seams
+from cedlm.cache.store.record import MAGIC, VERSION, CorruptRecord, Record, decode_record, encode_record
+from cedlm.cache.store.redis_store import RedisStore, StoreConnectionError
+
+DEFAULT_STORE_DIR = "~/.cache/cedlm/store"
+
+
+def open_store(spec: str | os.PathLike | None = None, *, capacity_bytes: int | None = None) -> DirStore | RedisStore:
+    """``"redis://..."`` / ``"rediss://..."`` / ``"unix://..."`` -> RedisStore; ``"dir:PATH"`` or a
+    plain path -> DirStore; None -> DirStore at ``~/.cache/cedlm/store``."""
+    if spec is None:
+        return DirStore(Path(DEFAULT_STORE_DIR).expanduser(), capacity_bytes=capacity_bytes)
+    s = os.fspath(spec)
+    if s.startswith(("redis://", "rediss://", "unix://")):
+        return RedisStore(s, capacity_bytes=capacity_bytes)
+    if s.startswith("dir:"):
+        s = s[len("dir:"):]
+    if not s:
+        raise ValueError("open_store: empty path")
+    return DirStore(s, capacity_bytes=capacity_bytes)
+
+
+__all__ = ["MAGIC", "VERSION", "Record", "Store", "DirStore", "RedisStore", "open_store", "encode_record",
+           "decode_record", "CorruptRecord", "StoreConnectionError", "DEFAULT_STORE_DIR"]

@@ -1,0 +1,261 @@
+"""`DirStore`: record blobs as files in one directory, written atomically, evicted least recently
+used first. A blob that fails validation is a miss (counted in ``stats()["corrupt"]``) and is
+deleted."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from cedlm.cache.store.base import Counters, check_capacity, check_fits, check_key
+from cedlm.cache.store.record import CorruptRecord, Encoded, Record, decode_record, read_header
+
+_ENTRY_SUFFIX = ".kv"
+_TMP_PREFIX = ".tmp-"
+_TMP_SUFFIX = ".partial"
+_STALE_TMP_S = 3600.0  # a temp file this old is garbage whoever wrote it
+
+
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:32] or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_parts(f, parts) -> None:
+    """Write every part to the open file. `DirStore.put` calls the one the package
+    `cedlm.cache.store` exposes, so tests can replace it there to simulate a slow writer."""
+    for p in parts:
+        f.write(p)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class DirStore:
+    """One file per key under ``path``: ``<blake2b(key)>.kv``.
+
+    Writes go to ``.tmp-<host>-<pid>-*.partial`` in the same directory, are fsynced and renamed over
+    the entry with ``os.replace`` (atomic), so a reader sees the old blob or the new one, never a
+    mix; a writer killed mid-write leaves only a temp file, removed by the next open. LRU order is
+    the files' mtimes (set on put, touched on every hit), mirrored in memory; when the total size
+    exceeds ``capacity_bytes`` the least recently used entries are deleted. Thread-safe within a
+    process; other processes sharing the directory are safe (atomic files) but their puts are only
+    counted towards capacity after this process re-scans (``keys()`` or a new ``DirStore``).
+    """
+
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int | None = None):
+        self.path = Path(path).expanduser()
+        self.capacity_bytes = check_capacity(capacity_bytes)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._n = Counters()
+        self._index: OrderedDict[str, tuple[str, int]] = OrderedDict()  # key -> (filename, size), LRU first
+        self._total = 0
+        self._clock = 0
+        with self._lock:
+            self._clean_temps()
+            self._scan()
+            self._evict(keep=None)
+
+    # -- helpers
+    def _filename(self, key: str) -> str:
+        return hashlib.blake2b(key.encode("utf-8"), digest_size=20).hexdigest() + _ENTRY_SUFFIX
+
+    def _now_ns(self) -> int:
+        self._clock = max(time.time_ns(), self._clock + 1)
+        return self._clock
+
+    def _clean_temps(self) -> None:
+        host, now = _host_tag(), time.time()
+        for p in self.path.glob(_TMP_PREFIX + "*" + _TMP_SUFFIX):
+            parts = p.name[len(_TMP_PREFIX):].split("-")
+            try:
+                mine = len(parts) >= 3 and parts[0] == host
+                dead = mine and not _pid_alive(int(parts[1]))
+                old = now - p.stat().st_mtime > _STALE_TMP_S
+                if dead or old:
+                    p.unlink()
+            except (OSError, ValueError):
+                continue
+
+    def _read_key(self, p: Path) -> str | None:
+        """The key stored in a file's header (cheap: reads the header only); None if unreadable."""
+        try:
+            with open(p, "rb") as f:
+                header = read_header(f)
+            key = header.get("key")
+            return key if isinstance(key, str) and self._filename(key) == p.name else None
+        except (OSError, CorruptRecord):
+            return None
+
+    def _scan(self) -> None:
+        found = []
+        for p in self.path.glob("*" + _ENTRY_SUFFIX):
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            key = self._read_key(p)
+            if key is None:  # unreadable header: garbage in our namespace
+                self._n.corrupt += 1
+                p.unlink(missing_ok=True)
+                continue
+            found.append((st.st_mtime_ns, key, p.name, st.st_size))
+        found.sort()
+        self._index = OrderedDict((k, (fn, size)) for _, k, fn, size in found)
+        self._total = sum(size for _, _, _, size in found)
+        if found:
+            self._clock = max(self._clock, found[-1][0])
+
+    def _forget(self, key: str) -> None:
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._total -= entry[1]
+
+    def _evict(self, keep: str | None) -> None:
+        if self.capacity_bytes is None:
+            return
+        while self._total > self.capacity_bytes:
+            victim = next((k for k in self._index if k != keep), None)
+            if victim is None:
+                break
+            fn, _ = self._index[victim]
+            (self.path / fn).unlink(missing_ok=True)
+            self._forget(victim)
+            self._n.evictions += 1
+
+    # -- Store API
+    def put(self, key: str, record: Record) -> None:
+        check_key(key)
+        enc = Encoded(record, key)
+        check_fits(enc.size, self.capacity_bytes, key)
+        write_parts = sys.modules[__package__]._write_parts
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f"{_TMP_PREFIX}{_host_tag()}-{os.getpid()}-",
+                                   suffix=_TMP_SUFFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write_parts(f, enc.parts())
+                f.flush()
+                os.fsync(f.fileno())
+            with self._lock:
+                fn = self._filename(key)
+                ts = self._now_ns()
+                os.utime(tmp, ns=(ts, ts))
+                os.replace(tmp, self.path / fn)
+                tmp = None
+                _fsync_dir(self.path)
+                self._forget(key)
+                self._index[key] = (fn, enc.size)
+                self._total += enc.size
+                self._evict(keep=key)
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+
+    def get(self, key: str) -> Record | None:
+        check_key(key)
+        fn = self._filename(key)
+        p = self.path / fn
+        # Read and verify outside the lock (hashing a big blob takes a while); the file we opened is
+        # a complete blob whatever writers do meanwhile, because they only ever os.replace it.
+        try:
+            with open(p, "rb", buffering=0) as f:
+                st = os.fstat(f.fileno())
+                buf = bytearray(st.st_size)
+                mv, got = memoryview(buf), 0
+                while got < len(buf):
+                    n = f.readinto(mv[got:])
+                    if not n:
+                        break
+                    got += n
+        except FileNotFoundError:
+            with self._lock:
+                if not p.exists():  # (a put may have landed since; puts replace under the lock)
+                    self._forget(key)
+                self._n.misses += 1
+            return None
+        except OSError:
+            with self._lock:
+                self._n.misses += 1
+            return None
+        try:
+            if got != len(buf):
+                raise CorruptRecord("short read")
+            record, _ = decode_record(buf, expect_key=key)
+        except CorruptRecord:
+            with self._lock:
+                self._n.corrupt += 1
+                self._n.misses += 1
+                try:  # drop the bad file unless a writer has already replaced it
+                    if os.stat(p).st_ino == st.st_ino:
+                        p.unlink()
+                except OSError:
+                    pass
+                self._forget(key)
+            return None
+        with self._lock:
+            ts = self._now_ns()
+            try:
+                os.utime(p, ns=(ts, ts))
+            except OSError:
+                pass
+            if key in self._index:
+                self._index.move_to_end(key)
+            else:  # written by another process since our scan
+                self._index[key] = (fn, len(buf))
+                self._total += len(buf)
+                self._evict(keep=key)
+            self._n.hits += 1
+        return record
+
+    def delete(self, key: str) -> None:
+        check_key(key)
+        with self._lock:
+            (self.path / self._filename(key)).unlink(missing_ok=True)
+            self._forget(key)
+
+    def keys(self) -> list[str]:
+        """All keys, least recently used first (re-scans the directory)."""
+        with self._lock:
+            self._scan()
+            return list(self._index)
+
+    def stats(self) -> dict:
+        with self._lock:
+            n = self._n
+            return {"backend": "dir", "path": str(self.path), "entries": len(self._index), "bytes": self._total,
+                    "hits": n.hits, "misses": n.misses, "corrupt": n.corrupt, "evictions": n.evictions,
+                    "capacity_bytes": self.capacity_bytes}
+
+    def __repr__(self) -> str:
+        return f"DirStore({str(self.path)!r}, capacity_bytes={self.capacity_bytes})"

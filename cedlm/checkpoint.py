@@ -1,0 +1,97 @@
+"""HF-style checkpoint directories: saving and loading a model with its tokenizer.
+
+    DIR/config.json              ModelConfig.save_json (the official nested deepseek_v41 schema)
+    DIR/model.safetensors        model.state_dict() (official tensor names, MoE gate bias buffers)
+    DIR/tokenizer.json           the tokenizer the model was trained with
+    DIR/tokenizer_config.json
+    DIR/training_state.pt        (training checkpoints) optimizer, step, RNG states, sampler state
+    DIR/training_args.json       (training checkpoints) the training settings, readable without torch
+
+A checkpoint is written into a temp directory beside DIR and renamed into place, so DIR is always
+either the previous complete checkpoint or the new complete one. `load_model` accepts a checkpoint
+directory or a run directory holding `checkpoint/`, and sets the Engram token map (compressed ids)
+from the checkpoint's tokenizer. Reading the training state back is `cedlm.train.checkpoint`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from cedlm.config import ModelConfig
+from cedlm.model import build_model
+from cedlm.model.engram import build_token_map
+from cedlm.model.model import CEDModel
+from cedlm.text.tokenizer import load_tokenizer
+
+CHECKPOINT_NAME = "checkpoint"
+TRAINING_STATE = "training_state.pt"
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint dir itself, or a run dir containing `checkpoint/`."""
+    p = Path(path)
+    if (p / "config.json").exists():
+        return p
+    if (p / CHECKPOINT_NAME / "config.json").exists():
+        return p / CHECKPOINT_NAME
+    raise FileNotFoundError(f"model: no checkpoint (config.json) in {p} or {p / CHECKPOINT_NAME}")
+
+
+def save_checkpoint(path: str | Path, model: CEDModel, tokenizer, training_state: dict | None = None,
+                    training_args: dict | None = None) -> Path:
+    """Write a complete checkpoint directory atomically (temp dir + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        model.cfg.save_json(tmp / "config.json")
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save(tmp)
+        if training_state is not None:
+            torch.save(training_state, tmp / TRAINING_STATE)
+        if training_args is not None:
+            (tmp / "training_args.json").write_text(json.dumps(training_args, indent=2) + "\n")
+        mask = os.umask(0)
+        os.umask(mask)
+        for f in tmp.iterdir():                 # mkstemp/mkdtemp create owner-only files
+            os.chmod(f, 0o666 & ~mask)
+        os.chmod(tmp, 0o777 & ~mask)
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def set_token_map(model: CEDModel, tokenizer) -> None:
+    """Engram compressed ids from the tokenizer's token texts (ids beyond it keep identity)."""
+    if not hasattr(model, "engram_token_map"):             # the twin has no Engram
+        return
+    n = min(tokenizer.vocab_size, model.cfg.vocab_size)
+    texts = [tokenizer.decode([i]) for i in range(n)]
+    tmap, _ = build_token_map(texts)
+    model.engram_token_map[:n] = tmap
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu"):
+    """-> (CEDModel in eval mode, Tokenizer) from a checkpoint (or run) directory."""
+    ckpt = resolve_checkpoint(path)
+    cfg = ModelConfig.from_json(ckpt / "config.json")
+    model = build_model(cfg)
+    model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=True)
+    tokenizer = load_tokenizer(ckpt)
+    set_token_map(model, tokenizer)
+    return model.to(device).eval(), tokenizer
