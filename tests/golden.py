@@ -99,8 +99,9 @@ def compact(full: dict[str, torch.Tensor]) -> dict:
         if t.is_floating_point():
             n = t.shape[0]
             rows = sorted({0, n // 3, 2 * n // 3, n - 1})[:KEEP_ROWS]
-            rec[k] = {"rows": torch.tensor(rows), "logits": t[rows].clone(),
-                      "argmax": t.argmax(-1), "sha256": digest(t)}
+            top2 = t.topk(2, -1).values
+            rec[k] = {"rows": torch.tensor(rows), "logits": t[rows].clone(), "argmax": t.argmax(-1),
+                      "margin": top2[..., 0] - top2[..., 1], "sha256": digest(t)}
         else:
             rec[k] = {"ids": t.clone()}
     return rec
@@ -111,7 +112,11 @@ if __name__ == "__main__":
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--full", default=None)
     ap.add_argument("--check-full", default=None)
+    ap.add_argument("--from-full", default=None, help="write the fixture from a saved full dump")
     a = ap.parse_args()
+    if a.from_full:
+        torch.save(compact(torch.load(a.from_full)), FIXTURE)
+        raise SystemExit(0)
     torch.set_num_threads(1)
     full = cases()
     if a.write:
