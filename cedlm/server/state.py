@@ -52,7 +52,7 @@ class ServerState:
                 include_stop_str_in_output=body.include_stop_str_in_output)
         except ValueError as e:
             msg = str(e)
-            raise APIError(400, msg, param=msg.split(" ", 1)[0]) from None
+            raise APIError(400, msg, param=msg.split(" ", 1)[0].rstrip(":")) from None
 
     def headers(self, resolved: Resolved, extra: dict | None = None) -> dict:
         h = dict(extra or {})
