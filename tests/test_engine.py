@@ -157,3 +157,26 @@ def test_failure_mid_prefill_frees_blocks_and_publishes_nothing(tiny, monkeypatc
     ok = llm.generate([list(range(3, 50))], SamplingParams(max_tokens=3, temperature=0))[0]
     assert ok.num_cached_tokens == 16            # the published blocks are reused, and correct
     assert ok.token_ids == greedy_reference(tiny, list(range(3, 50)), 3)
+
+
+def test_one_failing_request_does_not_fail_its_batch(tiny, monkeypatch):
+    """A sampling failure that belongs to one request ends that request alone ("error", its KV
+    freed); a bystander decoded in the same batch finishes normally with the greedy tokens."""
+    from cedlm.engine.sampler import Sampler
+    llm = LLM(tiny, block_tokens=8)
+    real = Sampler.sample
+
+    def picky(self, logits, params, gens):
+        if any(p.seed == 666 for p in params):
+            raise OverflowError("bad row")
+        return real(self, logits, params, gens)
+
+    monkeypatch.setattr(Sampler, "sample", picky)
+    eng = llm.engine
+    good = eng.add_request(list(range(3, 20)), SamplingParams(max_tokens=4, temperature=0))
+    bad = eng.add_request(list(range(5, 22)), SamplingParams(max_tokens=4, seed=666))
+    while eng.has_work:
+        eng.step()
+    assert bad.finish_reason == "error" and "bad row" in bad.error and not bad.output_ids
+    assert good.finish_reason == "length" and good.output_ids == greedy_reference(tiny, list(range(3, 20)), 4)
+    assert eng.pool.num_used == 0 and eng.counters["requests_failed"] == 1

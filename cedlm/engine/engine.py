@@ -9,6 +9,7 @@ per sequence and rebuilt by replay after a prefix hit (never stored).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ from cedlm.engine.scheduler import Scheduler
 from cedlm.model import PREFILL_MODES, CEDModel
 from cedlm.model.replay import REPLAY_MODES
 from cedlm.model.state import SequenceState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class Engine:
         self._ids = itertools.count()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "encoder_tokens": 0,
                          "decoder_prefill_tokens": 0, "replay_tokens": 0, "preemptions": 0,
-                         "requests_finished": 0}
+                         "requests_finished": 0, "requests_failed": 0}
 
     @property
     def pool(self):
@@ -124,15 +127,34 @@ class Engine:
         self.counters["preemptions"] += len(out.preempted)
         finished: list[Request] = []
         if out.decode:
-            finished += self._decode(out.decode)
+            finished += self._contained(out.decode, lambda: self._decode(out.decode))
         if out.prefill is not None:
-            finished += self._prefill(out.prefill, out.prefill_tokens)
+            finished += self._contained([out.prefill],
+                                        lambda: self._prefill(out.prefill, out.prefill_tokens))
         for r in finished:                        # the caller holds its own reference
             self.requests.pop(r.request_id, None)
         kv = self.kv_stats()
         for k in ("main_kv", "index_keys", "window", "compressor_state"):
             self.peak[k] = max(self.peak.get(k, 0), kv[k])
         return finished
+
+    def _contained(self, reqs: list[Request], run) -> list[Request]:
+        """Run one batch; an exception fails the requests of that batch alone (finish_reason
+        "error", their KV freed) and the engine goes on with everyone else."""
+        try:
+            return run()
+        except Exception as e:                  # noqa: BLE001 - contained to this batch
+            log.exception("engine step failed for %s", [r.request_id for r in reqs])
+            now = time.monotonic()
+            failed = []
+            for r in reqs:
+                if r.finished:
+                    continue
+                r.finish_reason, r.error, r.finish_time = "error", f"{type(e).__name__}: {e}", now
+                self.scheduler.finish(r)
+                self.counters["requests_failed"] += 1
+                failed.append(r)
+            return failed
 
     def _new_state(self, req: Request) -> SequenceState:
         st = self.model.new_state(rows=self.kv.rows(req))
@@ -170,16 +192,42 @@ class Engine:
             r.num_cached += 1
         return self._accept(reqs, logits)
 
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list:
+        """Sample the batch; if that fails, sample row by row so that only the request whose
+        row fails gets the exception (in place of its sample)."""
+        try:
+            res = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            return [(res.token_ids[i], res.logprobs[i], res.top_logprobs[i] if res.top_logprobs else None)
+                    for i in range(len(reqs))]
+        except Exception:                       # noqa: BLE001 - find the request it belongs to
+            out = []
+            for i, r in enumerate(reqs):
+                try:
+                    res = self.sampler.sample(logits[i:i + 1], [r.params], [r.generator])
+                    out.append((res.token_ids[0], res.logprobs[0],
+                                res.top_logprobs[0] if res.top_logprobs else None))
+                except Exception as e:          # noqa: BLE001
+                    out.append(e)
+            return out
+
     def _accept(self, reqs: list[Request], logits: torch.Tensor) -> list[Request]:
-        res = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        samples = self._sample(reqs, logits)
         finished = []
         now = time.monotonic()
-        for i, r in enumerate(reqs):
-            tok = int(res.token_ids[i])
+        for r, sample in zip(reqs, samples):
+            if isinstance(sample, Exception):
+                log.error("sampling failed for %s: %r", r.request_id, sample)
+                r.finish_reason, r.error, r.finish_time = "error", f"{type(sample).__name__}: {sample}", now
+                self.scheduler.finish(r)
+                self.counters["requests_failed"] += 1
+                finished.append(r)
+                continue
+            tok_t, lp, top = sample
+            tok = int(tok_t)
             r.output_ids.append(tok)
-            r.output_logprobs.append(float(res.logprobs[i]))
-            if res.top_logprobs is not None and res.top_logprobs[i] is not None:
-                r.top_logprobs.append(res.top_logprobs[i])
+            r.output_logprobs.append(float(lp))
+            if top is not None:
+                r.top_logprobs.append(top)
             r.first_token_time = r.first_token_time or now
             self.counters["generation_tokens"] += 1
             delta = r.detok.push(tok) if r.detok is not None else ""

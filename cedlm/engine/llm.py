@@ -67,6 +67,9 @@ class LLM:
             t0 = time.monotonic()
             while any(not r.finished for r in reqs):
                 self.engine.step()
+            failed = next((r for r in reqs if r.finish_reason == "error"), None)
+            if failed is not None:
+                raise RuntimeError(f"request {failed.request_id} failed: {failed.error}")
         except BaseException:
             for r in reqs:                      # nothing leaks: free every KV block we hold
                 self.engine.abort(r.request_id)
