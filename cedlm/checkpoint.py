@@ -10,7 +10,8 @@
 A checkpoint is written into a temp directory beside DIR and renamed into place, so DIR is always
 either the previous complete checkpoint or the new complete one. `load_model` accepts a checkpoint
 directory or a run directory holding `checkpoint/`, and sets the Engram token map (compressed ids)
-from the checkpoint's tokenizer. Reading the training state back is `cedlm.train.checkpoint`.
+from the checkpoint's tokenizer (`set_token_map`: the map named by the config's `engram_token_map`,
+"v41" unless the checkpoint says "legacy-v0"). Reading the training state back is `cedlm.train.checkpoint`.
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ from safetensors.torch import load_file, save_file
 
 from cedlm.config import ModelConfig
 from cedlm.model import build_model
-from cedlm.model.engram import build_token_map
 from cedlm.model.model import CEDModel
+from cedlm.official import is_official_layout, load_official_model
+from cedlm.text.engram_map import engram_token_map
 from cedlm.text.tokenizer import load_tokenizer
 
 CHECKPOINT_NAME = "checkpoint"
@@ -77,21 +79,29 @@ def save_checkpoint(path: str | Path, model: CEDModel, tokenizer, training_state
 
 
 def set_token_map(model: CEDModel, tokenizer) -> None:
-    """Engram compressed ids from the tokenizer's token texts (ids beyond it keep identity)."""
-    if not hasattr(model, "engram_token_map"):             # the twin has no Engram
-        return
-    n = min(tokenizer.vocab_size, model.cfg.vocab_size)
-    texts = [tokenizer.decode([i]) for i in range(n)]
-    tmap, _ = build_token_map(texts)
-    model.engram_token_map[:n] = tmap
+    """Set the model's Engram compressed ids from its tokenizer: the map its config names
+    (`engram_token_map`: "v41", or "legacy-v0" for checkpoints trained with it), size-checked
+    against `engram_compressed_vocab_size` (`ConfigError` naming both numbers; see
+    `cedlm.text.engram_map`). Ids beyond the tokenizer's vocabulary keep the default map."""
+    if not hasattr(model, "engram_token_map") or not model.cfg.engram_layer_ids:
+        return                                               # the twin / no Engram layers
+    ids = engram_token_map(model.cfg, tokenizer)
+    model.engram_token_map[: len(ids)] = torch.tensor(ids, dtype=model.engram_token_map.dtype)
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
-    """-> (CEDModel in eval mode, Tokenizer) from a checkpoint (or run) directory."""
+    """-> (CEDModel in eval mode, Tokenizer) from a checkpoint (or run) directory.
+
+    A directory in the official DeepSeek-V4.1 layout (an index file, `quantization_config`, or
+    `.scale` tensors) is read by `cedlm.official.load_official_model`: dequantised to float32,
+    checked for size first, its report on `model.official_load_report`."""
     ckpt = resolve_checkpoint(path)
-    cfg = ModelConfig.from_json(ckpt / "config.json")
-    model = build_model(cfg)
-    model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=True)
+    if is_official_layout(ckpt):
+        model, _ = load_official_model(ckpt)
+    else:
+        cfg = ModelConfig.from_json(ckpt / "config.json")
+        model = build_model(cfg)
+        model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=True)
     tokenizer = load_tokenizer(ckpt)
     set_token_map(model, tokenizer)
     return model.to(device).eval(), tokenizer

@@ -232,14 +232,17 @@ def test_adopted_blocks_are_released_by_the_table(layout):
     pool = BlockPool(layout, 2, BT)
     t = BlockTable(pool)
     t.ensure(2)
-    pool.register(t.blocks[0], H(0))
+    b0 = t.blocks[0]
+    pool.register(b0, H(0))
     t.free()
     t2 = BlockTable(pool)
     t2.adopt(pool.lookup([H(0)]))
+    assert t2.blocks == [b0]
     t2.ensure(2)
     assert pool.num_free == 0
     t2.free()
-    assert pool.num_free == 2 and pool.lookup([H(0)]) == [t.blocks[0] if t.blocks else 0]
+    assert pool.num_free == 2 and pool.ref == [0, 0]
+    assert pool.lookup([H(0)]) == [b0]
 
 
 # ------------------------------------------------------------------------------------------------

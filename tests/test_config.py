@@ -99,3 +99,139 @@ def test_save_json_roundtrip(tmp_path):
     cfg = ModelConfig.preset("small")
     cfg.save_json(tmp_path / "config.json")
     assert ModelConfig.from_json(tmp_path).to_dict() == cfg.to_dict()
+
+
+# ----------------------------------------------------------------------------- published variants
+V4 = CONFIG_DIR / "deepseek-v4-flash.config.json"
+
+
+def _v41_text(**change):
+    d = json.loads(V41.read_text())
+    d["text_config"].update(change)
+    return d
+
+
+def test_v41_draft_blocks_and_taps():
+    cfg = ModelConfig.from_json(V41)
+    assert len(cfg.compress_ratios) == 43 and cfg.n_layers == 40          # 40 layers + 3 drafts
+    assert cfg.num_nextn_predict_layers == 3 and cfg.dspark_target_layer_ids == [37, 38, 39]
+    assert cfg.engram_token_map == "v41"                                   # absent -> v41
+    # one draft layer fed by three taps (the V4-Flash-0731 shape) is valid in the V4.1 schema
+    one = ModelConfig.from_dict(_v41_text(num_nextn_predict_layers=1))
+    assert one.num_nextn_predict_layers == 1 and one.dspark_target_layer_ids == [37, 38, 39]
+    assert one.to_dict() == _v41_text(num_nextn_predict_layers=1)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0] * 4), "compress_ratios"),   # 40 + 4
+    (dict(compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0, 0, 1]), "compress_ratios"),  # draft != 0
+    (dict(compress_ratios=[0, 0] + [2] * 18 + [1] * 19), "compress_ratios"),             # 39 < 40
+    (dict(dspark_target_layer_ids=[37, 38, 40]), "dspark_target_layer_ids"),             # >= layers
+    (dict(dspark_target_layer_ids=[38, 37]), "dspark_target_layer_ids"),                 # unsorted
+    (dict(engram_token_map="v2"), "engram_token_map"),
+])
+def test_v41_variants_rejected_name_the_field(change, field):
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dict(_v41_text(**change))
+    assert str(e.value).startswith(field), str(e.value)
+
+
+def test_v4_flash_base_and_0731():
+    base = ModelConfig.from_json(V4)
+    assert base.n_layers == 43 and len(base.compress_ratios) == 44
+    assert base.num_nextn_predict_layers == 1 and base.dspark_target_layer_ids == []
+    # -0731 (delta from shared/reference/deepseek-v4-flash.config.notes.md): 46 schedule
+    # entries and DSpark with 3 taps, still one draft layer
+    d = json.loads(V4.read_text())
+    d.update(compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0, 0, 0], dspark_block_size=5,
+             dspark_noise_token_id=128799, dspark_target_layer_ids=[40, 41, 42],
+             dspark_markov_rank=256)
+    v0731 = ModelConfig.from_dict(d)
+    assert v0731.num_nextn_predict_layers == 1
+    assert v0731.dspark_target_layer_ids == [40, 41, 42] and len(v0731.compress_ratios) == 46
+    assert v0731.roles == base.roles and v0731.to_dict() == d
+    d["compress_ratios"] = d["compress_ratios"] + [0]                     # 47: too long
+    with pytest.raises(ConfigError, match="^compress_ratios"):
+        ModelConfig.from_dict(d)
+
+
+# ----------------------------------------------------------------------------- rope_parameters
+ROPE_FIELDS = ("rope_theta", "compress_rope_theta", "rope_scaling")
+
+
+def _rope_of(cfg):
+    return {k: getattr(cfg, k) for k in ROPE_FIELDS}
+
+
+def _nest_rope(d_text: dict, params) -> dict:
+    for k in ("rope_theta", "rope_scaling"):
+        d_text.pop(k, None)
+    d_text["rope_parameters"] = params
+    return d_text
+
+
+def test_rope_parameters_flat_is_read_and_round_trips():
+    ref = ModelConfig.from_json(V41)
+    d = json.loads(V41.read_text())
+    _nest_rope(d["text_config"], {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16,
+                                  "beta_fast": 32, "beta_slow": 1,
+                                  "original_max_position_embeddings": 65536})
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.rope_theta == ref.rope_theta and cfg.compress_rope_theta == ref.compress_rope_theta
+    assert {k: cfg.rope_scaling[k] for k in ref.rope_scaling} == ref.rope_scaling
+    assert cfg.to_dict() == d                                   # no rope_scaling/rope_theta added
+    # values that differ from the defaults are read, not defaulted
+    d["text_config"]["rope_parameters"].update(factor=8, rope_theta=20000.0)
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.rope_scaling["factor"] == 8 and cfg.rope_theta == 20000.0
+    # a changed config writes its values back into rope_parameters
+    out = cfg.replace(rope_theta=30000.0).to_dict()["text_config"]
+    assert out["rope_parameters"]["rope_theta"] == 30000.0 and "rope_theta" not in out
+
+
+def test_rope_parameters_split_by_layer_kind():
+    d = json.loads(V41.read_text())
+    _nest_rope(d["text_config"], {
+        "main": {"rope_type": "default", "rope_theta": 12345.0},
+        "compress": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4, "beta_fast": 32,
+                     "beta_slow": 1, "original_max_position_embeddings": 8192}})
+    d["text_config"].pop("compress_rope_theta")
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.rope_theta == 12345.0 and cfg.compress_rope_theta == 150000.0
+    assert cfg.rope_scaling["factor"] == 4 and cfg.rope_scaling["original_max_position_embeddings"] == 8192
+    assert cfg.rope_theta_of(0) == 12345.0 and cfg.rope_theta_of(2) == 150000.0 and cfg.uses_yarn(2)
+    assert cfg.to_dict() == d
+    # plain RoPE everywhere
+    d["text_config"]["rope_parameters"]["compress"] = {"rope_type": "default", "rope_theta": 1e5}
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.rope_scaling is None and not cfg.uses_yarn(2) and cfg.to_dict() == d
+
+
+def test_rope_parameters_small_model_and_v4_flat():
+    tiny = ModelConfig.preset("tiny")
+    d = tiny.to_dict()
+    _nest_rope(d["text_config"], {"rope_type": "yarn", "rope_theta": tiny.rope_theta,
+                                  **{k: v for k, v in tiny.rope_scaling.items() if k != "rope_type"}})
+    again = ModelConfig.from_dict(d)
+    assert again.rope_theta == tiny.rope_theta and again.rope_scaling["factor"] == tiny.rope_scaling["factor"]
+    flat = json.loads(V4.read_text())
+    flat.pop("rope_scaling"), flat.pop("rope_theta")
+    flat["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000, "factor": 4,
+                               "beta_fast": 32, "beta_slow": 1,
+                               "original_max_position_embeddings": 65536}
+    v4 = ModelConfig.from_dict(flat)
+    assert v4.rope_scaling["factor"] == 4 and v4.to_dict() == flat
+
+
+@pytest.mark.parametrize("params, extra", [
+    ({"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8}, {}),          # unsupported
+    ({"rope_type": "yarn", "rope_theta": 10000.0}, {}),                          # YaRN lacks factor
+    ({"rope_type": "default", "rope_theta": 10000.0}, {"rope_theta": 20000.0}),  # contradicts
+    ("yarn", {}),                                                                # not an object
+])
+def test_rope_parameters_errors(params, extra):
+    d = json.loads(V41.read_text())
+    _nest_rope(d["text_config"], params)
+    d["text_config"].update(extra)
+    with pytest.raises(ConfigError, match="^rope_parameters"):
+        ModelConfig.from_dict(d)

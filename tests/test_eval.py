@@ -21,7 +21,8 @@ TEXT += "\nCafé, naïve — 日本語 ✓\n"   # multi-byte characters: bytes !
 @pytest.fixture(scope="module")
 def model(tok):
     torch.manual_seed(0)
-    m = CEDModel(ModelConfig.preset("tiny").replace(vocab_size=tok.vocab_size))
+    m = CEDModel(ModelConfig.preset("tiny").replace(vocab_size=tok.vocab_size,
+                                                    engram_compressed_vocab_size=tok.vocab_size))
     set_token_map(m, tok)
     return m.eval()
 

@@ -5,7 +5,8 @@ import torch
 
 from cedlm import ModelConfig
 from cedlm.config.engram_sizes import engram_table_rows
-from cedlm.model.engram import EngramHasher, build_token_map, normalize_token_text
+from cedlm.model.engram import EngramHasher
+from cedlm.text.engram_map import legacy_v0_map, legacy_v0_normalize as normalize_token_text
 from cedlm.model.indexer import candidate_pool, stable_topk
 from cedlm.model.mhc import collapse, expand, hc_mixes, init_hc, sinkhorn
 from cedlm.model.rope import Rope, rope_frequencies, yarn_correction_range
@@ -77,11 +78,11 @@ def test_engram_hash_matches_definition():
     assert sum(primes) == cfg.engram_num_embeddings[0]
 
 
-def test_engram_token_normalisation():
+def test_engram_token_normalisation():          # the legacy-v0 map (tests/test_engram_map.py: v41)
     assert normalize_token_text("Café") == "cafe"
     assert normalize_token_text("ＡＢＣ") == "abc"
     assert normalize_token_text("  hello\t\nworld ") == "hello world"
-    tmap, n = build_token_map(["The", "the", " THE", "é", "e", "x"])
+    tmap, n = legacy_v0_map(["The", "the", " THE", "é", "e", "x"])
     assert tmap[0] == tmap[1] == tmap[2] and tmap[3] == tmap[4] and n == 3
     assert normalize_token_text(" ") == " "          # a lone space keeps its identity
 

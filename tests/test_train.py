@@ -119,7 +119,8 @@ def test_loss_decreases_on_repeated_batch():
 # ----------------------------------------------------------------------------- checkpoints
 def test_checkpoint_round_trip(tmp_path, tok):
     torch.manual_seed(0)
-    cfg = ModelConfig.preset("tiny").replace(vocab_size=tok.vocab_size)
+    cfg = ModelConfig.preset("tiny").replace(vocab_size=tok.vocab_size,
+                                             engram_compressed_vocab_size=tok.vocab_size)
     model = CEDModel(cfg)
     ck.set_token_map(model, tok)
     model.layers[3].ffn.gate.bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))

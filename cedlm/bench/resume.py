@@ -78,7 +78,7 @@ def run(ctx: Ctx) -> dict:
             r["bytes_per_token"] = r["bytes"] / C
             r["ced_over_this"] = b_ced / r["bytes"]
         ratio = rows[0]["bytes"] / rows[3]["bytes"]
-        ctx.log(f"  stored B/token: " + ", ".join(f"{r['bytes_per_token']:.0f}" for r in rows))
+        ctx.log("  stored B/token: " + ", ".join(f"{r['bytes_per_token']:.0f}" for r in rows))
 
         # ------------------------------------------------------------ resume vs re-prefill
         save_session(ced, store, "ced", st, fp)

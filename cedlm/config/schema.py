@@ -5,6 +5,10 @@ roles, and JSON reading/writing that round-trips the official file.
 for round-trip), the flat V4-Flash schema (mapped onto the same roles: every compressed layer is
 its own KV source, ratio-4 layers own index keys, FP8 main KV) and, for accounting only, the
 V3 (MLA) and llama schemas. Layer roles are always derived from the lists, never hard-coded.
+RoPE settings nested under `rope_parameters` (newer HF schema; flat, or split into "main" and
+"compress") are read into rope_theta / compress_rope_theta / rope_scaling and written back in the
+same shape. `engram_token_map` (cedlm metadata) names the Engram compressed-token map the weights
+were trained with (see `cedlm.text.engram_map`).
 """
 from __future__ import annotations
 
@@ -23,6 +27,86 @@ CONFIG_DIR = Path(__file__).parent / "official"
 # Families: "ced" (V4.1 schema; runnable), "v4" (V4-Flash schema; runnable as a CSA/HCA twin),
 # "mla" (V3; accounting only), "llama" (dense GQA; accounting only).
 RUNNABLE_FAMILIES = ("ced", "v4")
+
+
+# RoPE settings in the newer HF schema: one `rope_parameters` object instead of `rope_theta` +
+# `rope_scaling`. Either flat ({"rope_type", "rope_theta", "factor", ...}, shared by every layer;
+# `compress_rope_theta` stays its own field) or split by layer kind ({"main": {...} for the
+# ratio-0 SWA layers, "compress": {...} for compressed layers}). Only the compressed layers
+# use YaRN (as `uses_yarn`), so the scaling is read from "compress"; "main" gives `rope_theta`.
+_YARN_TYPES = ("yarn", "deepseek_yarn")
+
+
+def _rope_parts(rp) -> tuple[dict, dict]:
+    """(main, compress) parts of a `rope_parameters` object (the same dict when flat)."""
+    if not isinstance(rp, dict):
+        raise ConfigError(f"rope_parameters: expected an object, got {rp!r}")
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        return rp["main"], rp["compress"]
+    return rp, rp
+
+
+def _read_rope_parameters(rp) -> dict[str, Any]:
+    """The cedlm fields (rope_theta, compress_rope_theta, rope_scaling) a `rope_parameters`
+    object sets; `ConfigError` for a rope type cedlm does not implement."""
+    main, comp = _rope_parts(rp)
+    out: dict[str, Any] = {}
+    if "rope_theta" in main:
+        out["rope_theta"] = main["rope_theta"]
+    if comp is not main and "rope_theta" in comp:
+        out["compress_rope_theta"] = comp["rope_theta"]
+    rtype = comp.get("rope_type", comp.get("type", "default"))
+    if rtype in (None, "default"):
+        out["rope_scaling"] = None
+    elif rtype in _YARN_TYPES:
+        missing = [k for k in ("factor", "original_max_position_embeddings") if k not in comp]
+        if missing:
+            raise ConfigError(f"rope_parameters: YaRN settings lack {missing}")
+        out["rope_scaling"] = {k: v for k, v in comp.items() if k != "rope_theta"}
+    else:
+        raise ConfigError(f"rope_parameters: unsupported rope_type {rtype!r} (cedlm implements "
+                          f"'default' and {_YARN_TYPES})")
+    return out
+
+
+_YARN_KEYS = ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings")
+
+
+def _same_rope_value(k: str, a, b) -> bool:
+    if k != "rope_scaling":
+        return a == b
+    if not a or not b:
+        return not a and not b
+    return all(a.get(x) == b.get(x) for x in _YARN_KEYS)
+
+
+def _write_rope_parameters(src, cfg: "ModelConfig") -> dict:
+    """`src` (the file's rope_parameters) with cfg's RoPE fields written back, keys in order."""
+    src = copy.deepcopy(src)
+    main, comp = _rope_parts(src)
+    if "rope_theta" in main:
+        main["rope_theta"] = cfg.rope_theta
+    if comp is not main and "rope_theta" in comp:
+        comp["rope_theta"] = cfg.compress_rope_theta
+    new = dict(cfg.rope_scaling) if cfg.rope_scaling else {"rope_type": "default"}
+    kept = {k: v for k, v in comp.items() if k == "rope_theta" or k in new}
+    updated = {k: (new[k] if k in new else v) for k, v in kept.items()}
+    updated.update({k: v for k, v in new.items() if k not in updated})
+    comp.clear()
+    comp.update(updated)
+    return src
+
+
+def _apply_rope_parameters(d: dict, kw: dict) -> None:
+    """Set kw's RoPE fields from d["rope_parameters"]; a field also given directly in `d` must
+    agree with it (a file that states two different values is an error, not a guess)."""
+    if "rope_parameters" not in d:
+        return
+    for k, v in _read_rope_parameters(d["rope_parameters"]).items():
+        if k in d and not _same_rope_value(k, d[k], v):
+            raise ConfigError(f"rope_parameters: gives {k} = {v!r} but the file also sets "
+                              f"{k} = {d[k]!r}")
+        kw[k] = v
 
 
 @dataclass
@@ -106,6 +190,10 @@ class ModelConfig:
     q_head_norm: bool = False
     # Which stack to build from this config: the CED model, or its decoder-only twin (baseline).
     arch: str = "ced"
+    # Which Engram compressed-token map the weights were trained with (cedlm.text.engram_map):
+    # "v41" (the official map; absent from a file means this) or "legacy-v0" (cedlm's first map,
+    # kept only for checkpoints that say so, e.g. the shipped default model).
+    engram_token_map: str = "v41"
     kv_lora_rank: int = 0                 # mla family only
     intermediate_size: int = 0            # llama / dense MLP (accounting)
     first_k_dense_replace: int = 0        # mla family only
@@ -198,7 +286,8 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ (de)serialisation
     _TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id")
-    _CEDLM = ("family", "main_kv_format", "index_kv_format", "window_kv_format", "q_head_norm", "arch")
+    _CEDLM = ("family", "main_kv_format", "index_kv_format", "window_kv_format", "q_head_norm", "arch",
+              "engram_token_map")
 
     @classmethod
     def _field_names(cls) -> set[str]:
@@ -243,6 +332,7 @@ class ModelConfig:
         extra: dict[str, Any] = {"top": {}, "text": {}}
         for k, v in tc.items():
             (kw.__setitem__(k, v) if k in names else extra["text"].__setitem__(k, v))
+        _apply_rope_parameters(tc, kw)
         ced = d.pop("cedlm", {})
         for k, v in d.items():
             if k in cls._TOP_LEVEL:
@@ -260,10 +350,12 @@ class ModelConfig:
     @classmethod
     def _from_flat_ced(cls, d: dict) -> "ModelConfig":
         names = cls._field_names()
-        unknown = sorted(set(d) - names)
+        unknown = sorted(set(d) - names - {"rope_parameters"})
         if unknown:
             raise ConfigError(f"{unknown[0]}: unknown config field")
-        return cls(**d)
+        kw = {k: v for k, v in d.items() if k != "rope_parameters"}
+        _apply_rope_parameters(d, kw)
+        return cls(**kw)
 
     @classmethod
     def _from_flat(cls, d: dict, family: str, known: tuple, extra_fix: dict) -> "ModelConfig":
@@ -283,13 +375,16 @@ class ModelConfig:
         kw["index_source_layer_ids"] = [i for i in range(L) if 0 < ratios[i] <= 4]
         kw["candidate_source_layer_id"] = None
         kw["engram_layer_ids"], kw["engram_num_embeddings"] = [], []
-        kw["dspark_target_layer_ids"] = []
+        # DSpark taps as the file gives them (V4-Flash-0731: 3 taps for 1 draft layer).
+        kw["dspark_target_layer_ids"] = list(d.get("dspark_target_layer_ids") or [])
         kw["family"] = "v4"
         kw["main_kv_format"] = "v4_fp8"
         kw["image_token_id"] = None
         kw["model_type"] = "deepseek_v4"
-        # The V4 schedule lists one entry per MTP block after the main layers.
-        kw["num_nextn_predict_layers"] = len(ratios) - L
+        # The draft-layer count as the file states it; without it, one per trailing schedule
+        # entry. (V4-Flash-0731 lists 3 trailing entries for 1 draft layer.)
+        kw["num_nextn_predict_layers"] = d.get("num_nextn_predict_layers", len(ratios) - L)
+        _apply_rope_parameters(d, kw)
         return cls(**kw, extra={"flat": d})
 
     def to_dict(self) -> dict:
@@ -310,8 +405,13 @@ class ModelConfig:
         text = {}
         for k in text_keys:
             text[k] = vals[k] if k in vals else extra.get("text", {}).get(k)
+        carried: set[str] = set()          # fields the file states only inside rope_parameters
+        if isinstance(text.get("rope_parameters"), dict):
+            carried = set(_read_rope_parameters(text["rope_parameters"]))
+            text["rope_parameters"] = _write_rope_parameters(text["rope_parameters"], self)
         for k in text_fields:              # fields the source file did not list
-            text.setdefault(k, vals[k])
+            if k not in carried:
+                text.setdefault(k, vals[k])
         out: dict[str, Any] = {}
         for k in top_keys:
             if k == "text_config":

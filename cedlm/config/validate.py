@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from cedlm.config.schema import ModelConfig
 
 
+# Engram compressed-token maps (built in cedlm.text.engram_map): the official V4.1 map, and
+# cedlm's first map kept for checkpoints trained with it.
+ENGRAM_TOKEN_MAPS = ("v41", "legacy-v0")
+
+
 class ConfigError(ValueError):
     """An invalid configuration; the message names the offending field."""
 
@@ -37,10 +42,15 @@ def validate(cfg: "ModelConfig") -> None:
                  "head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window",
                  "hc_mult", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok"):
         need(getattr(cfg, name) > 0, name, f"must be positive, got {getattr(cfg, name)}")
-    need(len(cfg.compress_ratios) in (L, L + cfg.num_nextn_predict_layers), "compress_ratios",
-         f"has {len(cfg.compress_ratios)} entries; expected num_hidden_layers ({L}) "
-         f"+ num_nextn_predict_layers ({cfg.num_nextn_predict_layers}) = "
-         f"{L + cfg.num_nextn_predict_layers}")
+    need(cfg.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
+    # One entry per main layer, optionally followed by SWA-only (0) entries for the draft blocks.
+    # The trailing count is num_nextn_predict_layers in V4.1 (40 + 3 = 43) but the number of
+    # DSpark taps in V4-Flash-0731 (43 layers + 3 entries, one draft layer): either is accepted.
+    extra_max = max(cfg.num_nextn_predict_layers, len(cfg.dspark_target_layer_ids))
+    need(L <= len(cfg.compress_ratios) <= L + extra_max, "compress_ratios",
+         f"has {len(cfg.compress_ratios)} entries; expected num_hidden_layers ({L}) plus at most "
+         f"max(num_nextn_predict_layers, len(dspark_target_layer_ids)) = {extra_max} trailing "
+         f"draft-block entries, i.e. {L}..{L + extra_max}")
     for i in range(L, len(cfg.compress_ratios)):
         need(cfg.compress_ratios[i] == 0, "compress_ratios",
              f"entry {i} is a DSpark/MTP block and must be 0 (SWA only)")
@@ -110,12 +120,14 @@ def validate(cfg: "ModelConfig") -> None:
         need(cfg.engram_n_heads > 0 and cfg.engram_head_dim > 0, "engram_n_heads",
              "engram_n_heads and engram_head_dim must be positive")
         need(cfg.engram_vocab_size >= 3, "engram_vocab_size", "must be >= 3")
-    need(len(cfg.dspark_target_layer_ids) in (0, cfg.num_nextn_predict_layers) or
-         cfg.num_nextn_predict_layers == 0, "dspark_target_layer_ids",
-         f"has {len(cfg.dspark_target_layer_ids)} entries for "
-         f"{cfg.num_nextn_predict_layers} num_nextn_predict_layers")
+    # The taps (main layers whose states feed the drafter) are counted independently of the
+    # draft layers: V4.1 has 3 and 3, V4-Flash-0731 has 3 taps for 1 draft layer.
+    need(cfg.dspark_target_layer_ids == sorted(set(cfg.dspark_target_layer_ids)),
+         "dspark_target_layer_ids", f"must be strictly increasing, got {cfg.dspark_target_layer_ids}")
     need(all(0 <= i < L for i in cfg.dspark_target_layer_ids), "dspark_target_layer_ids",
-         f"ids must be in [0, {L})")
+         f"ids must be in [0, {L}), got {cfg.dspark_target_layer_ids}")
+    need(cfg.engram_token_map in ENGRAM_TOKEN_MAPS, "engram_token_map",
+         f"unknown {cfg.engram_token_map!r} (expected one of {ENGRAM_TOKEN_MAPS})")
     # Byte formats: every quantized dim must be a multiple of its scale block.
     from cedlm.quant import FORMATS
     for fld, fmt, dim in (("head_dim", cfg.main_kv_format, cfg.head_dim),

@@ -16,8 +16,6 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-NA_INTEGER = -(2**31)
-
 
 @dataclass
 class RObject:

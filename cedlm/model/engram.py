@@ -6,11 +6,11 @@ prime per (n, head)); every bucket lives in one offset table of sum(primes) rows
 rows are concatenated ([(max_n-1)*heads*head_dim]) and projected by `wkv` to one key per mHC copy
 plus one shared value; copy j gets  h_j += sigmoid(signed_sqrt(<norm(key_j), norm(h_j)> / sqrt(D))) * value.
 Row indices depend only on token ids, so they are computed (and rows can be fetched from host
-memory or a memory-mapped table) before the layer runs: see `EngramHasher`.
+memory or a memory-mapped table) before the layer runs: see `EngramHasher`. The token id ->
+compressed id map comes from the tokenizer: `cedlm.text.engram_map` (set by
+`cedlm.checkpoint.set_token_map`).
 """
 from __future__ import annotations
-
-import unicodedata
 
 import numpy as np
 import torch
@@ -18,20 +18,6 @@ from torch import nn
 
 from cedlm.config import ModelConfig
 from cedlm.config.engram_sizes import engram_primes
-
-
-def normalize_token_text(s: str) -> str:
-    """The compressed-tokenizer normalisation: NFKC, NFD, strip accents, lowercase, fold spaces."""
-    s = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", s))
-    s = "".join(ch for ch in s if unicodedata.category(ch) != "Mn").lower()
-    return " ".join(s.split()) if s.strip() else (" " if s else s)
-
-
-def build_token_map(token_texts: list[str]) -> tuple[torch.Tensor, int]:
-    """Map token ids to compressed ids: tokens whose normalised text is equal share an id."""
-    ids: dict[str, int] = {}
-    out = [ids.setdefault(normalize_token_text(t), len(ids)) for t in token_texts]
-    return torch.tensor(out, dtype=torch.int64), len(ids)
 
 
 class EngramHasher:

@@ -98,7 +98,7 @@ def plan(cfg: ModelConfig, context: int | None = None, memory_gib: float | None 
         "source, the final norm and the head run only on trailing tokens)",
     ] + kv["assumptions"] + win["assumptions"]
     if cfg.family == "v4":
-        assumptions.append("V4-Flash parameters follow the checkpoint layout per the V4 notes "
+        assumptions.append("V4-Flash parameters follow the V4 checkpoint layout "
                            "(overlapping ratio-4 compressor + ape, indexer compressor, hc_head); "
                            "its MTP block is counted V3-style (e_proj, h_proj, norms) plus a "
                            "full MoE SWA block")
@@ -107,7 +107,7 @@ def plan(cfg: ModelConfig, context: int | None = None, memory_gib: float | None 
                            "norm (embedding and head shared)")
     if cfg.family == "ced" and cfg.num_nextn_predict_layers:
         assumptions.append("DSpark blocks are not built by cedlm yet: params_dspark is analytic "
-                           "(reference/v41-weight-names.txt layout)")
+                           "(from the V4.1 checkpoint's mtp.* tensor names and shapes)")
     bps = sequence_bytes(cfg, context) if context is not None else None
     ms = (max_sequences(memory_gib * GIB, bps) if bps is not None and memory_gib is not None
           else None)

@@ -22,7 +22,7 @@ def entry_bytes(cfg: ModelConfig, fmt: str, dim: int) -> int:
 
     kv_fp4 / index_fp4 / window_fp8 come from `cedlm.quant` (288 / 68 / 528 at 512 / 128 / 512).
     v4_fp8 is DeepSeek V4's MODEL1 layout: FP8 NoPE + BF16 RoPE + one UE8M0 per 64 NoPE dims +
-    1 pad byte (584 at 512 dims, kv-layouts.md section 2). bf16 is 2 bytes per dim.
+    1 pad byte (448 + 128 + 7 + 1 = 584 at 512 dims, 64 of them RoPE). bf16 is 2 bytes per dim.
     """
     from cedlm.quant import FORMATS, bytes_per_entry
     if fmt in FORMATS:

@@ -5,7 +5,6 @@ preset without the planner); this module re-exports it for `cedlm.plan`.
 """
 from __future__ import annotations
 
-from cedlm.config.params import (GLOBAL_KV_PARTS, Tensor, param_counts, param_inventory,
-                                 vision_config)
+from cedlm.config.params import Tensor, param_counts, param_inventory, vision_config
 
-__all__ = ["GLOBAL_KV_PARTS", "Tensor", "param_counts", "param_inventory", "vision_config"]
+__all__ = ["Tensor", "param_counts", "param_inventory", "vision_config"]

@@ -128,6 +128,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", metavar="PATH", help="a config.json (V4.1, V4, V3 or llama schema)")
     src.add_argument("--preset", metavar="NAME", help="a named preset (cedlm.config.presets.PRESETS)")
+    src.add_argument("--checkpoint", metavar="DIR", help="a checkpoint directory (official layout "
+                     "or cedlm's): also prints whether loading it fits this machine's RAM, from "
+                     "the safetensors headers (no tensor is read)")
     p.add_argument("--context", type=_int_tokens, metavar="N",
                    help="tokens per sequence (e.g. 1048576, 128k, 1M)")
     p.add_argument("--memory-gib", type=float, metavar="M", help="memory for KV, in GiB")
@@ -138,14 +141,22 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="KV bytes, parameter counts and sequences that fit",
                               description="KV bytes, parameter counts and sequences that fit. "
-                                          "Exactly one of --config / --preset.")
+                                          "Exactly one of --config / --preset / --checkpoint.")
     _add_arguments(p)
     return p
 
 
 def run(args) -> int:
+    acc = None
     try:
-        if args.config:
+        if getattr(args, "checkpoint", None):
+            from cedlm.official.load import checkpoint_memory
+            ckpt = Path(args.checkpoint)
+            if not (ckpt / "config.json").exists() and (ckpt / "checkpoint" / "config.json").exists():
+                ckpt = ckpt / "checkpoint"                  # a run directory
+            cfg, name = ModelConfig.from_json(ckpt / "config.json"), ckpt.resolve().name
+            acc = checkpoint_memory(ckpt)
+        elif args.config:
             cfg = ModelConfig.from_json(args.config)
             path = Path(args.config)
             name = (path.parent.name if path.name == "config.json" or path.is_dir()
@@ -153,15 +164,23 @@ def run(args) -> int:
         else:
             cfg, name = ModelConfig.preset(args.preset), args.preset
         p = plan(cfg, context=args.context, memory_gib=args.memory_gib, name=name)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, OSError) as e:
         raise SystemExit(f"cedlm plan: error: {e}")
-    print(json.dumps(p, indent=2) if args.json else format_plan(p))
+    if args.json:
+        if acc is not None:
+            p["checkpoint"] = acc.to_dict()
+        print(json.dumps(p, indent=2))
+    else:
+        print(format_plan(p))
+        if acc is not None:
+            print("\nCheckpoint memory (from the safetensors headers; weights dequantised to float32 at load):")
+            print("\n".join(acc.describe()))
     return 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cedlm.plan", description="cedlm capacity planner. "
-                                "Exactly one of --config / --preset.")
+                                "Exactly one of --config / --preset / --checkpoint.")
     _add_arguments(p)
     args = p.parse_args(argv)
     return args.func(args)

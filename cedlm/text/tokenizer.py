@@ -87,6 +87,23 @@ class Tokenizer:
         ids = self.hf.encode(text, add_special_tokens=False).ids
         return [self.bos_id] + ids if add_bos else ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Encode ``text`` as plain text: added-token strings in it (``<｜User｜>``, ``</think>``, …)
+        are NOT matched as their control tokens but split like any other text. For untrusted text
+        (message content); ``cedlm.text.chat.encode_chat_ids`` uses it."""
+        plain = self.__dict__.get("_plain")
+        if plain is None:   # the same pipeline without the added-token vocabulary
+            plain = _tk().Tokenizer(self.hf.model)
+            plain.normalizer = self.hf.normalizer
+            plain.pre_tokenizer = self.hf.pre_tokenizer
+            self._plain = plain
+        return plain.encode(text, add_special_tokens=False).ids
+
+    @property
+    def added_tokens(self) -> dict[str, int]:
+        """The strings ``encode`` turns into added (control) tokens: content -> id."""
+        return {t.content: i for i, t in self.hf.get_added_tokens_decoder().items()}
+
     def encode_batch(self, texts: list[str], add_bos: bool = False) -> list[list[int]]:
         out = [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
         return [[self.bos_id] + ids for ids in out] if add_bos else out
@@ -156,7 +173,7 @@ class Tokenizer:
             },
             "chat_template": None,
             "chat_template_note": "No Jinja template: prompts are built by cedlm.text.chat.encode_chat, which "
-                                  "reproduces the DeepSeek-V4.1 encoding (see shared/reference/chat-encoding.md). "
+                                  "reproduces the official DeepSeek-V4.1 chat encoding byte for byte. "
                                   "Encode the resulting string with add_bos=False: it already begins with the BOS text.",
         }
 

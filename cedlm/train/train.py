@@ -16,6 +16,9 @@ then skips them), which is what makes N ranks reproduce one process on the same 
 A run directory holds `checkpoint/` (HF-style, see cedlm/checkpoint.py), `metrics.jsonl` (one line per
 step; eval steps add val_loss and val_ppl) and `loss.png`. Resuming restores the optimizer, step,
 RNG and sampler states: N steps straight and N/2 + resume + N/2 give bitwise equal weights.
+
+`train` is `setup` (a `TrainRun`), then per step `optimisation_step`, `validate` when due,
+`log_step`, and `save` when due or at the end.
 """
 from __future__ import annotations
 
@@ -25,8 +28,10 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -35,7 +40,8 @@ from cedlm import checkpoint as ckpt_io
 from cedlm.config import ModelConfig
 from cedlm.data.tokens import token_cache
 from cedlm.model import build_model
-from cedlm.model.model import CEDModel
+from cedlm.model.moe import MoE
+from cedlm.text.engram_map import V41, build_token_map
 from cedlm.text.tokenizer import load_tokenizer
 from cedlm.train import checkpoint as train_state
 from cedlm.train.data import BatchSampler, val_batches
@@ -132,14 +138,15 @@ def sync_gradients(params: list[torch.Tensor], world: int) -> None:
         n += k
 
 
-def moe_gates(model: CEDModel):
+def moe_layers(model: torch.nn.Module) -> list[MoE]:
+    """The MoE feed-forward of every layer (CEDModel and TwinModel alike)."""
     return [layer.ffn for layer in model.layers]
 
 
 @torch.no_grad()
-def update_moe_bias(model: CEDModel, rate: float, world: int) -> None:
+def update_moe_bias(model: torch.nn.Module, rate: float, world: int) -> None:
     """Aux-loss-free balancing from this step's load (tokens per expert, summed over ranks)."""
-    ffns = moe_gates(model)
+    ffns = moe_layers(model)
     load = torch.stack([f.load for f in ffns])
     if world > 1:
         dist.all_reduce(load)
@@ -200,40 +207,84 @@ def default_threads() -> int:
 
 
 # ---------------------------------------------------------------------------- training
-def train(given: argparse.Namespace) -> dict:
-    """Run training; returns {"step", "loss", "val_loss", "metrics", "out"} (rank 0's view)."""
+@dataclass
+class TrainRun:
+    """One training process's run: settings, model, optimizer, data and progress so far."""
+    a: argparse.Namespace
+    rank: int
+    world: int
+    device: torch.device
+    model: torch.nn.Module
+    tokenizer: object
+    opt: torch.optim.Optimizer
+    sampler: BatchSampler
+    val_tok: np.ndarray
+    out: Path
+    step: int = 0
+    metrics: list = field(default_factory=list)
+    elapsed0: float = 0.0                 # wall time of the run before this process (resume)
+    t_start: float = 0.0                  # when this process's training loop started
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out / "metrics.jsonl"
+
+    def elapsed(self) -> float:
+        return self.elapsed0 + time.time() - self.t_start
+
+
+def _build_model(a: argparse.Namespace, master: bool):
+    """A fresh model (seeded) with its tokenizer; the config's vocabulary follows the tokenizer."""
+    tokenizer = load_tokenizer(a.tokenizer)
+    cfg = ModelConfig.from_json(a.config) if a.config else ModelConfig.preset(a.preset)
+    if cfg.vocab_size != tokenizer.vocab_size:
+        if master:
+            print(f"note: vocab_size {cfg.vocab_size} -> {tokenizer.vocab_size} (the tokenizer's)",
+                  file=sys.stderr)
+        cfg = cfg.replace(vocab_size=tokenizer.vocab_size)
+        if cfg.engram_layer_ids:       # the Engram bound was sized for another vocabulary
+            cfg = cfg.replace(engram_compressed_vocab_size=build_token_map(tokenizer, V41)[1])
+    if cfg.engram_token_map != V41:    # a new model always uses the V4.1 Engram map
+        if master:
+            print(f"note: engram_token_map {cfg.engram_token_map} -> {V41} (new model)", file=sys.stderr)
+        cfg = cfg.replace(engram_token_map=V41)
+    if a.arch:
+        cfg = cfg.replace(arch=a.arch)
+    torch.manual_seed(a.seed)
+    model = build_model(cfg)
+    ckpt_io.set_token_map(model, tokenizer)
+    return model, tokenizer
+
+
+def setup(given: argparse.Namespace) -> TrainRun:
+    """Settings, process group, model + tokenizer (fresh or resumed), optimizer, token data, the
+    saved progress on resume, and the run directory with its metrics file."""
     saved_state = train_state.load_training_state(given.resume) if getattr(given, "resume", None) else None
     a = resolve_args(given, saved_state["args"] if saved_state else None)
     rank, world, device = setup_distributed(a.device)
     torch.set_num_threads(a.threads or default_threads())
     master = rank == 0
 
-    # Model, tokenizer, optimizer -----------------------------------------------------------
     if saved_state:
         src = ckpt_io.resolve_checkpoint(a.resume)
         if given.out is None:
             a.out = str(src.parent if src.name == ckpt_io.CHECKPOINT_NAME else src)
         model, tokenizer = ckpt_io.load_model(src)
-        cfg = model.cfg
     else:
-        tokenizer = load_tokenizer(a.tokenizer)
-        cfg = ModelConfig.from_json(a.config) if a.config else ModelConfig.preset(a.preset)
-        if cfg.vocab_size != tokenizer.vocab_size:
-            if master:
-                print(f"note: vocab_size {cfg.vocab_size} -> {tokenizer.vocab_size} (the tokenizer's)",
-                      file=sys.stderr)
-            cfg = cfg.replace(vocab_size=tokenizer.vocab_size)
-        if a.arch:
-            cfg = cfg.replace(arch=a.arch)
-        torch.manual_seed(a.seed)
-        model = build_model(cfg)
-        ckpt_io.set_token_map(model, tokenizer)
+        model, tokenizer = _build_model(a, master)
     model.to(device).train()
-    params = list(model.parameters())
     opt = torch.optim.AdamW(param_groups(model, a.weight_decay), lr=a.lr, betas=(a.beta1, a.beta2),
                             eps=1e-8)
 
-    # Data (rank 0 tokenises once; the others wait, then map the same cache) -------------------
+    # Data: rank 0 tokenises once; the others wait, then map the same cache.
     data = Path(a.data)
     if master:
         train_tok = token_cache(data / "train.txt", tokenizer, a.cache_dir, progress=a.progress)
@@ -245,111 +296,141 @@ def train(given: argparse.Namespace) -> dict:
         val_tok = token_cache(data / "val.txt", tokenizer, a.cache_dir, build=False)
     sampler = BatchSampler(train_tok, a.seq_len, a.batch_size, a.seed, rank, world)
 
-    step, metrics, elapsed0 = 0, [], 0.0
+    run = TrainRun(a, rank, world, device, model, tokenizer, opt, sampler, val_tok, Path(a.out))
     if saved_state:
         opt.load_state_dict(saved_state["optimizer"])
         sampler.load_state_dict(saved_state["sampler"])
-        train_state.set_rng_state(saved_state["rng"][rank] if rank < len(saved_state["rng"])
-                              else saved_state["rng"][0])
-        step, metrics = saved_state["step"], list(saved_state["metrics"])
-        elapsed0 = saved_state.get("elapsed", 0.0)
+        rngs = saved_state["rng"]
+        train_state.set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
+        run.step, run.metrics = saved_state["step"], list(saved_state["metrics"])
+        run.elapsed0 = saved_state.get("elapsed", 0.0)
 
-    out = Path(a.out)
-    metrics_path = out / "metrics.jsonl"
     if master:
-        out.mkdir(parents=True, exist_ok=True)
-        write_jsonl(metrics_path, metrics)          # a fresh run, or exactly what the checkpoint saw
-        n_params = model.num_parameters()
-        print(f"cedlm train: {n_params / 1e6:.2f}M params ({model.num_parameters(True) / 1e6:.2f}M "
-              f"without Engram tables), {len(train_tok):,} train tokens, {world} rank(s), "
-              f"{torch.get_num_threads()} threads/rank, step {step}/{a.steps}", file=sys.stderr)
+        run.out.mkdir(parents=True, exist_ok=True)
+        write_jsonl(run.metrics_path, run.metrics)   # a fresh run, or exactly what the checkpoint saw
+        print(f"cedlm train: {model.num_parameters() / 1e6:.2f}M params "
+              f"({model.num_parameters(True) / 1e6:.2f}M without Engram tables), "
+              f"{len(train_tok):,} train tokens, {world} rank(s), "
+              f"{torch.get_num_threads()} threads/rank, step {run.step}/{a.steps}", file=sys.stderr)
+    return run
 
-    def save():
-        # Every rank's RNG state: identical today (no dropout), kept per rank for exactness.
-        rngs = [train_state.rng_state()]
-        if world > 1:
-            gathered = [None] * world
-            dist.all_gather_object(gathered, rngs[0])
-            rngs = gathered
-        if master:
-            saved_args = {k: v for k, v in vars(a).items() if k not in RUN_ONLY}
-            state = {"step": step, "optimizer": opt.state_dict(), "sampler": sampler.state_dict(),
-                     "rng": rngs, "metrics": metrics, "elapsed": elapsed0 + time.time() - t_start,
-                     "args": saved_args, "world_size": world}
-            ckpt_io.save_checkpoint(out / ckpt_io.CHECKPOINT_NAME, model, tokenizer, state,
-                                    training_args={**saved_args, "step": step})
-        if world > 1:
-            dist.barrier()
 
-    bar = None
-    if master and a.progress:
-        from tqdm import tqdm
-        bar = tqdm(total=a.steps, initial=step, desc="train", dynamic_ncols=True)
-    t_start = time.time()
-    last = {"loss": None, "val_loss": None}
+def optimisation_step(run: TrainRun) -> dict:
+    """One optimizer step on the next global batch; returns its metrics record."""
+    a, model, opt, params = run.a, run.model, run.opt, run.params
+    t0 = time.time()
+    lr = lr_at(run.step, a)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    x, y = run.sampler.next_batch()
+    x, y = x.to(run.device), y.to(run.device)
+    logits = model(x)
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    loss.backward()
+    if run.world > 1:
+        sync_gradients(params, run.world)
+    grad_norm = None
+    if a.grad_clip and a.grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, a.grad_clip).item()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    update_moe_bias(model, a.bias_update_rate, run.world)
+    run.step += 1
+    loss_v = all_mean(loss.item(), run.world, run.device)
+    dt = time.time() - t0
     tokens_per_step = a.batch_size * a.seq_len
+    return {"step": run.step, "loss": loss_v, "lr": lr, "grad_norm": grad_norm,
+            "tokens": run.step * tokens_per_step, "tokens_per_s": tokens_per_step / dt,
+            "elapsed": run.elapsed()}
+
+
+def out_of_time(run: TrainRun) -> bool:
+    """Whether --max-minutes is used up: rank 0 decides, every rank follows."""
+    a = run.a
+    over = bool(a.max_minutes) and (time.time() - run.t_start) >= a.max_minutes * 60
+    if run.world > 1:
+        flag = torch.tensor([float(over)], device=run.device)
+        dist.broadcast(flag, 0)
+        over = bool(flag.item())
+    return over
+
+
+def validate(run: TrainRun, rec: dict) -> None:
+    """Validation loss and perplexity, added to the step's record."""
+    val = evaluate(run.model, run.val_tok, run.a, run.rank, run.world, run.device)
+    rec.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
+
+
+def log_step(run: TrainRun, rec: dict, bar) -> None:
+    """Keep the record; on rank 0 append it to metrics.jsonl, redraw the plot after a
+    validation, and report progress."""
+    run.metrics.append(rec)
+    if not run.master:
+        return
+    with open(run.metrics_path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    if "val_loss" in rec:
+        plot_metrics(run.metrics, run.out / "loss.png")
+        msg = (f"step {rec['step']}: loss {rec['loss']:.4f} val_loss {rec['val_loss']:.4f} "
+               f"val_ppl {rec['val_ppl']:.2f} lr {rec['lr']:.2e} {rec['tokens_per_s']:.0f} tok/s")
+        (bar.write(msg) if bar else print(msg, file=sys.stderr))
+    if bar:
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.1e}",
+                        tok_s=f"{rec['tokens_per_s']:.0f}")
+        bar.update(1)
+
+
+def save(run: TrainRun) -> None:
+    """Checkpoint the run (weights, tokenizer, optimizer, sampler, every rank's RNG, metrics)."""
+    # Every rank's RNG state: identical today (no dropout), kept per rank for exactness.
+    rngs = [train_state.rng_state()]
+    if run.world > 1:
+        gathered = [None] * run.world
+        dist.all_gather_object(gathered, rngs[0])
+        rngs = gathered
+    if run.master:
+        saved_args = {k: v for k, v in vars(run.a).items() if k not in RUN_ONLY}
+        state = {"step": run.step, "optimizer": run.opt.state_dict(),
+                 "sampler": run.sampler.state_dict(), "rng": rngs, "metrics": run.metrics,
+                 "elapsed": run.elapsed(), "args": saved_args, "world_size": run.world}
+        ckpt_io.save_checkpoint(run.out / ckpt_io.CHECKPOINT_NAME, run.model, run.tokenizer, state,
+                                training_args={**saved_args, "step": run.step})
+    if run.world > 1:
+        dist.barrier()
+
+
+def train(given: argparse.Namespace) -> dict:
+    """Run training; returns {"step", "loss", "val_loss", "metrics", "out", "model"} (rank 0's
+    view)."""
+    run = setup(given)
+    a = run.a
+    bar = None
+    if run.master and a.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=a.steps, initial=run.step, desc="train", dynamic_ncols=True)
+    run.t_start = time.time()
+    last = {"loss": None, "val_loss": None}
     stop_at = min(a.steps, a.stop_at_step) if a.stop_at_step else a.steps
-    while step < stop_at:
-        t0 = time.time()
-        lr = lr_at(step, a)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        x, y = sampler.next_batch()
-        x, y = x.to(device), y.to(device)
-        logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        loss.backward()
-        if world > 1:
-            sync_gradients(params, world)
-        grad_norm = None
-        if a.grad_clip and a.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, a.grad_clip).item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        update_moe_bias(model, a.bias_update_rate, world)
-        step += 1
-        loss_v = all_mean(loss.item(), world, device)
-        dt = time.time() - t0
-        rec = {"step": step, "loss": loss_v, "lr": lr, "grad_norm": grad_norm,
-               "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / dt,
-               "elapsed": elapsed0 + time.time() - t_start}
-        last["loss"] = loss_v
-
-        # time budget: rank 0 decides, everyone follows
-        out_of_time = bool(a.max_minutes) and (time.time() - t_start) >= a.max_minutes * 60
-        if world > 1:
-            flag = torch.tensor([float(out_of_time)], device=device)
-            dist.broadcast(flag, 0)
-            out_of_time = bool(flag.item())
-        final = step >= stop_at or out_of_time
-
-        if (a.eval_every and step % a.eval_every == 0) or final:
-            val = evaluate(model, val_tok, a, rank, world, device)
-            rec.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
-            last["val_loss"] = val
-        metrics.append(rec)
-        if master:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            if "val_loss" in rec:
-                plot_metrics(metrics, out / "loss.png")
-                msg = (f"step {step}: loss {loss_v:.4f} val_loss {rec['val_loss']:.4f} "
-                       f"val_ppl {rec['val_ppl']:.2f} lr {lr:.2e} {rec['tokens_per_s']:.0f} tok/s")
-                (bar.write(msg) if bar else print(msg, file=sys.stderr))
-            if bar:
-                bar.set_postfix(loss=f"{loss_v:.3f}", lr=f"{lr:.1e}", tok_s=f"{rec['tokens_per_s']:.0f}")
-                bar.update(1)
-        if (a.save_every and step % a.save_every == 0) or final:
-            save()
-        if out_of_time:
-            if master:
-                print(f"time budget of {a.max_minutes} min reached at step {step}; checkpoint saved",
-                      file=sys.stderr)
+    while run.step < stop_at:
+        rec = optimisation_step(run)
+        last["loss"] = rec["loss"]
+        over = out_of_time(run)
+        final = run.step >= stop_at or over
+        if (a.eval_every and run.step % a.eval_every == 0) or final:
+            validate(run, rec)
+            last["val_loss"] = rec["val_loss"]
+        log_step(run, rec, bar)
+        if (a.save_every and run.step % a.save_every == 0) or final:
+            save(run)
+        if over:
+            if run.master:
+                print(f"time budget of {a.max_minutes} min reached at step {run.step}; "
+                      "checkpoint saved", file=sys.stderr)
             break
     if bar:
         bar.close()
-    return {"step": step, "loss": last["loss"], "val_loss": last["val_loss"], "metrics": metrics,
-            "out": str(out), "model": model}
+    return {"step": run.step, "loss": last["loss"], "val_loss": last["val_loss"],
+            "metrics": run.metrics, "out": str(run.out), "model": run.model}
 
 
 def run(args: argparse.Namespace) -> int:
