@@ -180,3 +180,21 @@ def test_one_failing_request_does_not_fail_its_batch(tiny, monkeypatch):
     assert bad.finish_reason == "error" and "bad row" in bad.error and not bad.output_ids
     assert good.finish_reason == "length" and good.output_ids == greedy_reference(tiny, list(range(3, 20)), 4)
     assert eng.pool.num_used == 0 and eng.counters["requests_failed"] == 1
+
+
+def test_prefix_hit_with_exact_replay_reproduces_the_cold_run(tiny):
+    """Prompt B shares a prefix with an earlier prompt A: the hit (global rows from the cache,
+    windows replayed exactly, the rest prefilled) gives B's cold-run tokens."""
+    sp = SamplingParams(max_tokens=4, temperature=0)
+
+    def mk():
+        return LLM(tiny, block_tokens=8, max_num_seqs=4, prefill_mode="exact", replay_mode="exact")
+    for shared, own in ((32, 17), (48, 9), (16, 9)):
+        base = [3 + (i * 37) % 500 for i in range(shared)]
+        a = base + [5 + (k * 13) % 500 for k in range(own)]
+        b = base + [7 + (k * 29) % 500 for k in range(own)]
+        cold = mk().generate([b], sp)[0].token_ids
+        llm = mk()
+        llm.generate([a], sp)
+        hit = llm.generate([b], sp)[0]
+        assert hit.num_cached_tokens == shared and hit.token_ids == cold

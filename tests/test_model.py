@@ -256,3 +256,22 @@ def test_engram_tables_offloaded_to_memory_map(tiny, tmp_path):
     st = off.new_state()
     last = off.prefill(ids[0], st, "full")[-1]
     assert torch.allclose(last, ref[0, -1], atol=1e-4)
+
+
+@pytest.mark.parametrize("split", [2, 9, 17, 40])
+def test_prefill_continued_in_a_second_call_equals_full_forward(tiny, split):
+    """A prompt appended to a state that already holds tokens (multi-turn, a prefix hit): the
+    decoder pass must still see the global source's window rows from before the call, which the
+    encoder pass has overwritten in the ring by then."""
+    ids = torch.randint(0, tiny.cfg.vocab_size, (split + 17,), generator=torch.Generator().manual_seed(21))
+    full = tiny(ids[None])[0]
+    for mode in ("full", "exact", "bounded"):
+        st = tiny.new_state()
+        tiny.prefill(ids[:split], st, "full")
+        out = tiny.prefill(ids[split:], st, mode)
+        if mode != "bounded":
+            assert (out[-1] - full[-1]).abs().max().item() < 1e-4, mode
+        else:
+            assert out.shape[0] == min(17, tiny.cfg.sliding_window)
+        nxt = tiny.decode(ids[-1:], [st])
+        assert nxt.shape == (1, tiny.cfg.vocab_size)

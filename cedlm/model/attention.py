@@ -91,8 +91,8 @@ class Attention(nn.Module):
     def write_global(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> None:
         """Encoder pass of the global-KV source: window rows and global entries for every token."""
         kv = self.window_rows(x, batch.positions)
+        cache.push_stash(self.layer_id, kv, batch.positions)        # before the ring is written
         cache.window(self.layer_id, kv, batch.positions)
-        cache.push_stash(kv, batch.positions)
         if not batch.replay:
             self.compress(x, batch, cache)
 

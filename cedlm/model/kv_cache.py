@@ -30,7 +30,7 @@ class KVCache(Protocol):
     dense: bool                           # attention over all entries (reference) or a gather
 
     def window(self, layer: int, kv: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def push_stash(self, kv: torch.Tensor, pos: torch.Tensor) -> None: ...
+    def push_stash(self, layer: int, kv: torch.Tensor, pos: torch.Tensor) -> None: ...
     def global_window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def pending(self, src: int, b: int): ...
     def set_pending(self, src: int, b: int, pend) -> None: ...
@@ -50,7 +50,8 @@ class _Stash:
         self.keep_from = keep_from
         self.stash: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def push_stash(self, kv: torch.Tensor, pos: torch.Tensor) -> None:
+    def push_stash(self, layer: int, kv: torch.Tensor, pos: torch.Tensor) -> None:
+        """Call before the rows are written to the layer's ring."""
         if self.stash is not None:
             kv, pos = torch.cat((self.stash[0], kv), 1), torch.cat((self.stash[1], pos), 1)
         keep = pos[0] >= self.keep_from
@@ -131,6 +132,7 @@ class ByteKVCache(_Stash):
         self.layout, self.states = layout, states
         self._idx: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._kv_bytes: dict[int, torch.Tensor] = {}
+        self._olds: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     # ---------------------------------------------------------------- windows
     def window(self, layer, kv, pos):
@@ -139,10 +141,21 @@ class ByteKVCache(_Stash):
             st.window_write(layer, kv[b], pos[b])
         return self._cat_padded(olds, kv, pos)
 
+    def push_stash(self, layer, kv, pos):
+        # The ring rows older than this call, read before this call's rows overwrite them: the
+        # decoder pass needs them and the encoder pass has already written the ring.
+        if self._olds is None:
+            win = self.layout.window_slots
+            self._olds = []
+            for b, st in enumerate(self.states):
+                k, p = st.window_before(layer, int(pos[b, 0]))
+                keep = p > int(pos[b, 0]) - win
+                self._olds.append((k[keep], p[keep]))
+        super().push_stash(layer, kv, pos)
+
     def global_window(self, layer):
         kv, pos = self.stash
-        olds = [st.window_before(layer, int(pos[b, 0])) for b, st in enumerate(self.states)]
-        return self._cat_padded(olds, kv, pos)
+        return self._cat_padded(self._olds, kv, pos)
 
     @staticmethod
     def _cat_padded(olds, kv, pos):
