@@ -5,6 +5,11 @@ in Redis (`redis_store`); `open_store` picks the backend from a spec string.
 A blob that fails validation is a miss for every backend (counted in ``stats()["corrupt"]``) and
 the bad entry is deleted. Window (SWA) state is deliberately not part of any record: it is rebuilt
 by replaying tokens.
+
+The backends raise on I/O failures (a full disk, an unreachable or hung Redis after its socket
+timeout); `StoreGuard` (``guard``) turns every failure into a counted, rate-limited-logged cache
+miss and skips a store that keeps failing (circuit breaker). The engine always uses a store
+through a guard.
 """
 
 from __future__ import annotations
@@ -13,21 +18,31 @@ import os
 from pathlib import Path
 
 from cedlm.cache.store.base import Store
-from cedlm.cache.store.dir_store import DirStore, _host_tag, _write_parts  # noqa: F401 - test seams
+from cedlm.cache.store.dir_store import DirStore, NotRegularFile, _host_tag, _write_parts  # noqa: F401 - test seams
+from cedlm.cache.store.guard import StoreGuard, guard_store
 from cedlm.cache.store.record import MAGIC, VERSION, CorruptRecord, Record, decode_record, encode_record
-from cedlm.cache.store.redis_store import RedisStore, StoreConnectionError
+from cedlm.cache.store.redis_store import (DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_SOCKET_TIMEOUT_S, RedisStore,
+                                          StoreConnectionError)
 
 DEFAULT_STORE_DIR = "~/.cache/cedlm/store"
 
 
-def open_store(spec: str | os.PathLike | None = None, *, capacity_bytes: int | None = None) -> DirStore | RedisStore:
+def open_store(spec: str | os.PathLike | None = None, *, capacity_bytes: int | None = None,
+               socket_timeout: float | None = DEFAULT_SOCKET_TIMEOUT_S,
+               connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
+               check_connection: bool = True) -> DirStore | RedisStore:
     """``"redis://..."`` / ``"rediss://..."`` / ``"unix://..."`` -> RedisStore; ``"dir:PATH"`` or a
-    plain path -> DirStore; None -> DirStore at ``~/.cache/cedlm/store``."""
+    plain path -> DirStore; None -> DirStore at ``~/.cache/cedlm/store``.
+
+    ``socket_timeout`` / ``connect_timeout`` (seconds) bound every Redis call, and
+    ``check_connection=False`` opens a Redis store without reaching the server (it connects on
+    first use); a directory store's I/O is local and ignores them."""
     if spec is None:
         return DirStore(Path(DEFAULT_STORE_DIR).expanduser(), capacity_bytes=capacity_bytes)
     s = os.fspath(spec)
     if s.startswith(("redis://", "rediss://", "unix://")):
-        return RedisStore(s, capacity_bytes=capacity_bytes)
+        return RedisStore(s, capacity_bytes=capacity_bytes, socket_timeout=socket_timeout,
+                          connect_timeout=connect_timeout, check_connection=check_connection)
     if s.startswith("dir:"):
         s = s[len("dir:"):]
     if not s:
@@ -36,4 +51,5 @@ def open_store(spec: str | os.PathLike | None = None, *, capacity_bytes: int | N
 
 
 __all__ = ["MAGIC", "VERSION", "Record", "Store", "DirStore", "RedisStore", "open_store", "encode_record",
-           "decode_record", "CorruptRecord", "StoreConnectionError", "DEFAULT_STORE_DIR"]
+           "decode_record", "CorruptRecord", "StoreConnectionError", "DEFAULT_STORE_DIR", "StoreGuard",
+           "guard_store", "NotRegularFile"]

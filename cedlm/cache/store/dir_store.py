@@ -1,13 +1,22 @@
 """`DirStore`: record blobs as files in one directory, written atomically, evicted least recently
 used first. A blob that fails validation is a miss (counted in ``stats()["corrupt"]``) and is
-deleted."""
+deleted.
+
+Only regular files named like the store's own entries (``<40 hex digits>.kv``) are ever read as
+entries or deleted. Anything else in the directory -- a directory or FIFO named ``*.kv``, a
+symlink, a file that cannot be opened, a ``*.kv`` file under another name -- is skipped and
+reported (``stats()["skipped"]``, ``skipped()``, one log line per newly seen name), never opened
+when it is not a regular file (a FIFO would block the reader) and never deleted."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import logging
 import os
 import re
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -22,6 +31,34 @@ _ENTRY_SUFFIX = ".kv"
 _TMP_PREFIX = ".tmp-"
 _TMP_SUFFIX = ".partial"
 _STALE_TMP_S = 3600.0  # a temp file this old is garbage whoever wrote it
+_ENTRY_NAME = re.compile(r"[0-9a-f]{40}" + re.escape(_ENTRY_SUFFIX))
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+log = logging.getLogger(__name__)
+
+
+class NotRegularFile(OSError):
+    """The path is a directory, FIFO, socket, device or symlink: not something the store wrote."""
+
+
+def _open_regular(p) -> int:
+    """A read-only fd on ``p`` if it is a regular file. Never follows a symlink and never blocks
+    on a FIFO (``O_NONBLOCK``; callers also ``lstat`` first so FIFOs are not opened at all)."""
+    try:
+        fd = os.open(p, _OPEN_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotRegularFile(errno.ELOOP, "a symlink, not a store entry", str(p)) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile(errno.EINVAL, "not a regular file", str(p))
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _host_tag() -> str:
@@ -68,6 +105,11 @@ class DirStore:
     exceeds ``capacity_bytes`` the least recently used entries are deleted. Thread-safe within a
     process; other processes sharing the directory are safe (atomic files) but their puts are only
     counted towards capacity after this process re-scans (``keys()`` or a new ``DirStore``).
+
+    I/O is local, so there is no timeout; I/O errors raise ``OSError`` (a full disk on ``put``:
+    ENOSPC, the temp file removed and the old entry untouched; an entry that cannot be read on
+    ``get``: EACCES, EIO...). The engine wraps every store in a `StoreGuard`, which makes any of
+    them a counted cache miss.
     """
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int | None = None):
@@ -79,6 +121,7 @@ class DirStore:
         self._index: OrderedDict[str, tuple[str, int]] = OrderedDict()  # key -> (filename, size), LRU first
         self._total = 0
         self._clock = 0
+        self._skipped: dict[str, str] = {}
         with self._lock:
             self._clean_temps()
             self._scan()
@@ -97,42 +140,90 @@ class DirStore:
         for p in self.path.glob(_TMP_PREFIX + "*" + _TMP_SUFFIX):
             parts = p.name[len(_TMP_PREFIX):].split("-")
             try:
+                st = p.lstat()
+                if not stat.S_ISREG(st.st_mode):
+                    continue                         # not a temp file we could have written
                 mine = len(parts) >= 3 and parts[0] == host
                 dead = mine and not _pid_alive(int(parts[1]))
-                old = now - p.stat().st_mtime > _STALE_TMP_S
+                old = now - st.st_mtime > _STALE_TMP_S
                 if dead or old:
                     p.unlink()
             except (OSError, ValueError):
                 continue
 
-    def _read_key(self, p: Path) -> str | None:
-        """The key stored in a file's header (cheap: reads the header only); None if unreadable."""
+    def _inspect(self, name: str) -> tuple[str, object]:
+        """Classify one ``*.kv`` directory entry without blocking and without deleting anything:
+        ("ok", (key, stat)), ("corrupt", reason) for our own name with a bad header, or
+        ("skip", reason) for anything the store did not write or cannot read."""
+        p = self.path / name
         try:
-            with open(p, "rb") as f:
+            st = p.lstat()
+        except FileNotFoundError:
+            return "gone", None
+        except OSError as e:
+            return "skip", f"cannot stat: {e.strerror or e}"
+        if not stat.S_ISREG(st.st_mode):           # directory, FIFO, socket, device, symlink
+            return "skip", "not a regular file"
+        if not _ENTRY_NAME.fullmatch(name):
+            return "skip", "not a store entry name"
+        try:
+            fd = _open_regular(p)
+        except FileNotFoundError:
+            return "gone", None
+        except OSError as e:
+            return "skip", f"cannot open: {e.strerror or e}"
+        try:
+            with os.fdopen(fd, "rb") as f:
                 header = read_header(f)
-            key = header.get("key")
-            return key if isinstance(key, str) and self._filename(key) == p.name else None
-        except (OSError, CorruptRecord):
-            return None
+        except CorruptRecord as e:
+            return "corrupt", str(e)
+        except OSError as e:
+            return "skip", f"cannot read: {e.strerror or e}"
+        key = header.get("key")
+        if not isinstance(key, str) or self._filename(key) != name:
+            return "skip", "entry name does not match the key it holds"
+        return "ok", (key, st)
 
     def _scan(self) -> None:
-        found = []
-        for p in self.path.glob("*" + _ENTRY_SUFFIX):
-            try:
-                st = p.stat()
-            except OSError:
+        found, skipped = [], {}
+        try:
+            names = sorted(e.name for e in os.scandir(self.path))
+        except OSError as e:
+            raise OSError(e.errno, f"cannot list the store directory: {e.strerror}", str(self.path)) from e
+        for name in names:
+            if name.startswith(".") or not name.endswith(_ENTRY_SUFFIX):
                 continue
-            key = self._read_key(p)
-            if key is None:  # unreadable header: garbage in our namespace
+            kind, info = self._inspect(name)
+            if kind == "ok":
+                key, st = info
+                found.append((st.st_mtime_ns, key, name, st.st_size))
+            elif kind == "corrupt":                 # our name, garbage inside: drop it
                 self._n.corrupt += 1
-                p.unlink(missing_ok=True)
-                continue
-            found.append((st.st_mtime_ns, key, p.name, st.st_size))
+                try:
+                    (self.path / name).unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    skipped[name] = f"corrupt, and cannot delete it: {e.strerror or e}"
+            elif kind == "skip":
+                skipped[name] = info
+        new = {n: r for n, r in skipped.items() if self._skipped.get(n) != r}
+        self._skipped = skipped
+        if new:
+            shown = "; ".join(f"{n}: {r}" for n, r in list(new.items())[:5])
+            log.warning("store %s: skipped %d entr%s the store did not write or cannot read (left in place): %s%s",
+                        self.path, len(new), "y" if len(new) == 1 else "ies", shown,
+                        f"; and {len(new) - 5} more" if len(new) > 5 else "")
         found.sort()
         self._index = OrderedDict((k, (fn, size)) for _, k, fn, size in found)
         self._total = sum(size for _, _, _, size in found)
         if found:
             self._clock = max(self._clock, found[-1][0])
+
+    def skipped(self) -> dict[str, str]:
+        """Names in the directory that the last scan skipped, with the reason (left in place)."""
+        with self._lock:
+            return dict(self._skipped)
 
     def _forget(self, key: str) -> None:
         entry = self._index.pop(key, None)
@@ -147,7 +238,10 @@ class DirStore:
             if victim is None:
                 break
             fn, _ = self._index[victim]
-            (self.path / fn).unlink(missing_ok=True)
+            try:
+                (self.path / fn).unlink(missing_ok=True)
+            except OSError as e:                     # cannot free it: stop counting it anyway
+                log.debug("store %s: could not evict %s: %s", self.path, fn, e)
             self._forget(victim)
             self._n.evictions += 1
 
@@ -166,6 +260,12 @@ class DirStore:
                 os.fsync(f.fileno())
             with self._lock:
                 fn = self._filename(key)
+                try:
+                    if not stat.S_ISREG((self.path / fn).lstat().st_mode):
+                        raise NotRegularFile(errno.EEXIST, "something the store did not write sits at the "
+                                             "entry's name; left in place", str(self.path / fn))
+                except FileNotFoundError:
+                    pass
                 ts = self._now_ns()
                 os.utime(tmp, ns=(ts, ts))
                 os.replace(tmp, self.path / fn)
@@ -189,7 +289,7 @@ class DirStore:
         # Read and verify outside the lock (hashing a big blob takes a while); the file we opened is
         # a complete blob whatever writers do meanwhile, because they only ever os.replace it.
         try:
-            with open(p, "rb", buffering=0) as f:
+            with open(_open_regular(p), "rb", buffering=0) as f:
                 st = os.fstat(f.fileno())
                 buf = bytearray(st.st_size)
                 mv, got = memoryview(buf), 0
@@ -204,10 +304,12 @@ class DirStore:
                     self._forget(key)
                 self._n.misses += 1
             return None
-        except OSError:
+        except NotRegularFile:                       # something else sits at the name: not ours, a miss
             with self._lock:
                 self._n.misses += 1
             return None
+        # Any other OSError (EACCES, EIO...) propagates: a caller that treats the store as a cache
+        # (StoreGuard) counts it and makes it a miss.
         try:
             if got != len(buf):
                 raise CorruptRecord("short read")
@@ -255,7 +357,7 @@ class DirStore:
             n = self._n
             return {"backend": "dir", "path": str(self.path), "entries": len(self._index), "bytes": self._total,
                     "hits": n.hits, "misses": n.misses, "corrupt": n.corrupt, "evictions": n.evictions,
-                    "capacity_bytes": self.capacity_bytes}
+                    "skipped": len(self._skipped), "capacity_bytes": self.capacity_bytes}
 
     def __repr__(self) -> str:
         return f"DirStore({str(self.path)!r}, capacity_bytes={self.capacity_bytes})"

@@ -15,6 +15,10 @@ class StoreConnectionError(ConnectionError):
     """The store's backend could not be reached (raised at construction)."""
 
 
+DEFAULT_SOCKET_TIMEOUT_S = 1.0   # one command's send + reply
+DEFAULT_CONNECT_TIMEOUT_S = 1.0
+
+
 # KEYS: lru zset, sizes hash, clock counter. ARGV: key, size, capacity (-1 = none), entry prefix.
 # Runs in the same MULTI as the SET of the blob, so blob + bookkeeping + eviction are atomic.
 _LUA_PUT = """
@@ -70,23 +74,40 @@ class RedisStore:
     recently used entries until the summed sizes fit ``capacity_bytes``), so it is atomic for all
     clients. hits/misses/corrupt/evictions in ``stats()`` count this client's operations; entries
     and bytes are the server's. Blobs are limited by Redis's proto-max-bulk-len (512 MB default).
+
+    Every call is bounded: ``connect_timeout`` for (re)connecting and ``socket_timeout`` for each
+    command (default 1 s each; query parameters in the URL, e.g. ``?socket_timeout=0.5``, win),
+    with no client-side retry; a server that is down or hung raises ``redis`` ConnectionError /
+    TimeoutError after at most that long. ``check_connection=False`` skips the PING at
+    construction (the client connects on first use), for callers that tolerate an absent store.
     """
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "cedlm:",
-                 capacity_bytes: int | None = None, socket_timeout: float | None = 30.0):
+                 capacity_bytes: int | None = None, socket_timeout: float | None = DEFAULT_SOCKET_TIMEOUT_S,
+                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S, check_connection: bool = True):
         try:
             import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
         except ImportError as e:
             raise ImportError("RedisStore needs the 'redis' package (pip install redis)") from e
+        for name, v in (("socket_timeout", socket_timeout), ("connect_timeout", connect_timeout)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise ValueError(f"{name}: must be a positive number of seconds or None, got {v!r}")
         self._redis_mod = redis
         self.url = url
         self.prefix = prefix
         self.capacity_bytes = check_capacity(capacity_bytes)
+        self.socket_timeout, self.connect_timeout = socket_timeout, connect_timeout
         self._n = Counters()
         self._lock = threading.Lock()
         try:
-            self._r = redis.Redis.from_url(url, socket_connect_timeout=5.0, socket_timeout=socket_timeout)
-            self._r.ping()
+            # No client-side retries: one call costs at most one timeout, and the caller decides
+            # (StoreGuard: a miss, and its circuit breaker stops calling a store that keeps failing).
+            self._r = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout,
+                                           socket_timeout=socket_timeout, retry=Retry(NoBackoff(), 0))
+            if check_connection:
+                self._r.ping()
         except (redis.exceptions.RedisError, OSError, ValueError) as e:
             raise StoreConnectionError(f"cannot connect to Redis at {_redact(url)}: {type(e).__name__}: {e}") from e
         self._lru, self._sizes, self._clockkey = prefix + "lru", prefix + "sizes", prefix + "clock"
