@@ -12,6 +12,7 @@ COMMANDS = [
     ("cedlm.plan", "add_parser"),
     ("cedlm.data.cli", "add_parser"),
     ("cedlm.train.cli", "add_parser"),
+    ("cedlm.train.export", "add_parser"),
     ("cedlm.eval.cli", "add_parser"),
     ("cedlm.bench.cli", "add_parser"),
 ]

@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     "cedlm.server": 5, "cedlm.train": 5, "cedlm.eval": 5, "cedlm.bench": 5, "cedlm.plan": 5,
     "cedlm.data": 5,
     "cedlm.engine": 4,
-    "cedlm.cache": 3, "cedlm.checkpoint": 3,
+    "cedlm.cache": 3, "cedlm.checkpoint": 3, "cedlm.official": 3,
     "cedlm.model": 2,
     "cedlm.kv_layout": 1, "cedlm.text": 1,
     "cedlm.quant": 0, "cedlm.config": 0, "cedlm.util": 0,
@@ -41,6 +41,7 @@ ALLOWED_SAME_LAYER: set[tuple[str, str]] = {
     ("cedlm.bench", "cedlm.data"),
     ("cedlm.config", "cedlm.quant"),     # validation reads the KV formats' scale blocks
     ("cedlm.config", "cedlm.util"),      # atomic writes of config.json
+    ("cedlm.checkpoint", "cedlm.official"),  # load_model dispatches official-layout directories
 }
 
 
