@@ -7,17 +7,21 @@ It works on integers and block tables: a request is anything with `all_ids`, `nu
 live in the pool; window rings are per sequence (sized by the KV layout) and are the engine's.
 Full blocks are published under chained prefix hashes (salted with the model fingerprint) and,
 with a store, written through to it; a later prefix hit reads them back from the pool or, past
-the pool, from the store. A store that fails is a cache miss, never a failed request.
+the pool, from the store. A store that fails is a cache miss, never a failed request: the store
+is always used through a `StoreGuard` (counted, rate-limited-logged misses and a circuit breaker,
+its state in `stats`; pass `store=StoreGuard(backend, failure_threshold=..., cooldown_s=...)` to
+tune it), and every path that fails releases the blocks it took.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import torch
 
 from cedlm.cache.block_pool import BlockPool, BlockTable
 from cedlm.cache.prefix import block_hashes
-from cedlm.cache.store import Record
+from cedlm.cache.store import Record, guard_store
 from cedlm.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -35,21 +39,39 @@ def blocks_for_budget(layout: KVLayout, kv_budget_bytes: int, max_num_seqs: int,
     return n
 
 
+def _cache_salt(req) -> str | None:
+    return getattr(getattr(req, "params", None), "cache_salt", None)
+
+
 class KVCacheManager:
     def __init__(self, layout: KVLayout, num_blocks: int, block_tokens: int, *,
                  fingerprint: bytes = b"", enable_prefix_cache: bool = True, store=None):
         self.layout, self.block_tokens = layout, block_tokens
         self.pool = BlockPool(layout, num_blocks, block_tokens)
-        self.fingerprint, self.enable_prefix_cache, self.store = fingerprint, enable_prefix_cache, store
-        self._stored: set[str] | None = None
-        self.stats = {"store_block_hits": 0, "store_errors": 0}
+        self.fingerprint, self.enable_prefix_cache = fingerprint, enable_prefix_cache
+        self._stored: set[str] | None = None     # keys known to be in the store
+        self._stats = {"store_block_hits": 0, "store_errors": 0}
+        self.store = guard_store(store, stats=self._stats)  # counters and breaker states land in stats
+
+    @property
+    def stats(self) -> dict:
+        """Store spill counters and the store's circuit-breaker states (current as of now)."""
+        if self.store is not None:
+            self.store.refresh()
+        return self._stats
 
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def hashes(self, ids: list[int]) -> list[bytes]:
-        return block_hashes(ids, self.block_tokens, salt=self.fingerprint)
+    def hashes(self, ids: list[int], cache_salt: str | None = None) -> list[bytes]:
+        """Block hashes salted with the model fingerprint and, if given, a request's cache salt
+        (requests with different salts never share blocks)."""
+        salt = self.fingerprint
+        if cache_salt:
+            salt = hashlib.blake2b(b"cedlm.cache_salt.v1\x00" + salt + cache_salt.encode("utf-8", "surrogatepass"),
+                                   digest_size=16).digest()
+        return block_hashes(ids, self.block_tokens, salt=salt)
 
     # ---------------------------------------------------------------- the four verbs
     def get_computed_blocks(self, req) -> int:
@@ -60,9 +82,14 @@ class KVCacheManager:
         if not self.enable_prefix_cache:
             return 0
         bt, ids = self.block_tokens, req.all_ids
-        hashes = self.hashes(ids)[: (len(ids) - 1) // bt]        # leave >= 1 token to run
+        hashes = self.hashes(ids, _cache_salt(req))[: (len(ids) - 1) // bt]        # leave >= 1 token to run
         blocks = self.pool.lookup(hashes)
-        blocks += self._load_blocks(hashes[len(blocks):])
+        try:
+            blocks += self._load_blocks(hashes[len(blocks):])
+        except BaseException:
+            for b in blocks:                     # nothing held on a failed admission
+                self.pool.release(b)
+            raise
         req.table.adopt(blocks)
         req.num_cached = req.num_prefix_hit = len(blocks) * bt
         req.num_blocks = len(blocks)
@@ -81,8 +108,10 @@ class KVCacheManager:
     def free(self, req) -> None:
         """Publish req's full blocks, then release everything it holds."""
         if req.table is not None:
-            self.cache_full_blocks(req)
-            req.table.free()
+            try:
+                self.cache_full_blocks(req)
+            finally:
+                req.table.free()
         req.table, req.num_blocks = None, 0
 
     def cache_full_blocks(self, req) -> None:
@@ -91,9 +120,11 @@ class KVCacheManager:
             return
         bt = self.block_tokens
         n_full = min(req.num_cached // bt, len(req.table.blocks))
-        for b, h in zip(req.table.blocks, self.hashes(req.all_ids[: n_full * bt])):
+        store_ok = True                          # one failed write per call at most
+        for b, h in zip(req.table.blocks, self.hashes(req.all_ids[: n_full * bt], _cache_salt(req))):
             self.pool.register(b, h)
-            self._store_block(b, h)
+            if store_ok:
+                store_ok = self._store_block(b, h)
 
     # ---------------------------------------------------------------- rows for a sequence
     def rows(self, req):
@@ -102,23 +133,30 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- store spill
     def _stored_keys(self) -> set[str]:
-        if self._stored is None:
-            self._stored = set(self.store.keys())
+        if self._stored is None:                 # start-up: what is there already (none if it fails)
+            self._stored = set(self.store.keys_or_none() or ())
         return self._stored
 
-    def _store_block(self, b: int, h: bytes) -> None:
+    def _not_stored(self, hashes: list[bytes]) -> None:
+        """A miss at hashes[0] (absent, dropped as corrupt, evicted, failed): write it again when
+        produced, and the blocks chained after it too (unreachable in the store without it, and
+        perhaps as bad: a corrupt one is only found, and dropped, when it is read)."""
+        if self._stored is not None:
+            self._stored.difference_update(h.hex() for h in hashes)
+
+    def _store_block(self, b: int, h: bytes) -> bool:
+        """Write block b through to the store unless it is there; False when the store failed."""
         if self.store is None:
-            return
-        try:
-            if h.hex() in self._stored_keys():
-                return
-            self.store.put(h.hex(), Record(
-                meta={"fingerprint": self.fingerprint.hex(), "block_tokens": self.block_tokens},
-                arrays={f"{k}.{s}": t[b] for (k, s), t in self.pool.data.items()}))
-            self._stored.add(h.hex())
-        except Exception as e:                   # noqa: BLE001 - a store outage is a cache miss
-            self.stats["store_errors"] += 1
-            log.warning("store: could not write block %s: %s", h.hex(), e)
+            return True
+        key = h.hex()
+        if key in self._stored_keys():
+            return True
+        ok = self.store.put(key, Record(        # the guard: a failure is counted, logged, False
+            meta={"fingerprint": self.fingerprint.hex(), "block_tokens": self.block_tokens},
+            arrays={f"{k}.{s}": t[b] for (k, s), t in self.pool.data.items()}))
+        if ok:
+            self._stored.add(key)
+        return ok
 
     def _load_blocks(self, hashes: list[bytes]) -> list[int]:
         """Continue a prefix hit from the store: each hit is copied into a fresh pool block."""
@@ -126,24 +164,33 @@ class KVCacheManager:
         if self.store is None:
             return out
         want = {f"{k}.{s}": tuple(t.shape[1:]) for (k, s), t in self.pool.data.items()}
-        for h in hashes:
-            if self.pool.num_free <= 0:
-                break
-            try:
-                rec = self.store.get(h.hex())
-            except Exception as e:               # noqa: BLE001 - a store outage is a cache miss
-                self.stats["store_errors"] += 1
-                log.warning("store: could not read block %s: %s", h.hex(), e)
-                break
-            if rec is None or rec.meta.get("fingerprint") != self.fingerprint.hex():
-                break
-            arrays = rec.tensors() if hasattr(rec, "tensors") else rec.arrays
-            if set(arrays) != set(want) or any(tuple(arrays[k].shape) != v for k, v in want.items()):
-                break
-            b = self.pool.allocate()
-            for (k, s), t in self.pool.data.items():
-                t[b] = torch.as_tensor(arrays[f"{k}.{s}"])
-            self.pool.register(b, h)
-            out.append(b)
-            self.stats["store_block_hits"] += 1
+        try:
+            for i, h in enumerate(hashes):
+                if self.pool.num_free <= 0:
+                    break
+                key = h.hex()
+                rec = self.store.get(key)        # the guard: a failure is counted, logged, None
+                if rec is None or rec.meta.get("fingerprint") != self.fingerprint.hex():
+                    self._not_stored(hashes[i:])
+                    break
+                arrays = rec.tensors() if hasattr(rec, "tensors") else rec.arrays
+                if set(arrays) != set(want) or any(tuple(arrays[k].shape) != v for k, v in want.items()):
+                    self._not_stored(hashes[i:])
+                    break
+                b = self.pool.allocate()
+                try:
+                    for (k, s), t in self.pool.data.items():
+                        t[b] = torch.as_tensor(arrays[f"{k}.{s}"])
+                except Exception as e:           # noqa: BLE001 - an unusable record is a miss
+                    self.pool.release(b)
+                    self._not_stored(hashes[i:])
+                    self.store.note_failure("load", key, e)
+                    break
+                self.pool.register(b, h)
+                out.append(b)
+                self._stats["store_block_hits"] += 1
+        except BaseException:
+            for b in out:                        # nothing held when loading fails
+                self.pool.release(b)
+            raise
         return out

@@ -36,8 +36,14 @@ class LLM:
         if engram_mmap is not None:
             self.model.offload_engram(engram_mmap)
         if isinstance(store, str):
-            from cedlm.cache.store import open_store
-            store = open_store(store)
+            from cedlm.cache.store import StoreConnectionError, open_store
+            try:
+                store = open_store(store)
+            except StoreConnectionError as e:    # a cache, not a dependency: start without it
+                import logging
+                logging.getLogger(__name__).warning("%s; starting anyway, every store call is a miss "
+                                                    "until it answers", e)
+                store = open_store(store, check_connection=False)
         self.engine = Engine(self.model, self.tokenizer, EngineConfig(
             kv_budget_bytes=kv_budget_bytes, max_num_seqs=max_num_seqs, block_tokens=block_tokens,
             prefill_chunk=prefill_chunk, prefill_mode=prefill_mode, replay_mode=replay_mode,
@@ -88,7 +94,7 @@ class LLM:
     # ---------------------------------------------------------------- sessions
     def save_session(self, key: str, prompt) -> int:
         """Prefill `prompt` and store its global KV + token ids under `key` (no window state).
-        Returns the bytes stored."""
+        Returns the bytes stored: 0 when the store could not take it (counted in store_errors)."""
         from cedlm.engine.session import save_session
         if self.engine.store is None:
             raise ValueError("store: LLM(..., store=PATH or redis://...) is needed for sessions")

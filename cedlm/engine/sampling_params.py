@@ -37,6 +37,8 @@ class SamplingParams:
     ignore_eos: keep generating past the tokenizer's EOS.
     logprobs: None = off; 0 = logprob of the sampled token; k > 0 = also the top-k alternatives.
     include_stop_str_in_output: keep the matched stop string / stop token text in the output.
+    cache_salt: prefix-cache isolation (as vLLM's ``cache_salt``): requests share cached prefix
+        blocks only when their salts are equal (None shares with other unsalted requests).
     """
 
     max_tokens: int = 16
@@ -49,6 +51,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -97,6 +100,9 @@ class SamplingParams:
             raise ValueError(
                 f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}"
             )
+
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
 
     @property
     def greedy(self) -> bool:

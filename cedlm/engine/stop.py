@@ -36,6 +36,7 @@ class StopChecker:
     While streaming, the longest tail of the text that is a proper prefix of some stop string is
     held back (not needed, hence not done, with ``include_stop_str_in_output``) and released once
     it can no longer begin a stop string. ``stop_reason`` records the matched string or token id.
+    Stop strings are matched incrementally, so a token costs the same at any output length.
     """
 
     def __init__(self, params: SamplingParams, eos_token_id: int | Iterable[int] | None = None):
@@ -53,78 +54,108 @@ class StopChecker:
         self.finished = False
         self.reason: str | None = None
         self.stop_reason: str | int | None = None
-        self._text = ""
-        self._emitted = 0
+        # Stop strings are matched incrementally (Knuth-Morris-Pratt): per stop string, the length
+        # of its longest prefix that ends the text so far. Each token costs O(new characters x stop
+        # strings), whatever the output length; only the text not yet released is kept here.
+        self._fail = [_prefix_function(t) for t in self.stops]
+        self._state = [0] * len(self.stops)
+        self._len = 0                 # characters seen
+        self._emitted = 0             # characters released
+        self._pending = ""            # text[_emitted:_len]
+        self._released: list[str] = []
 
     @property
     def output(self) -> str:
         """Text released so far; the final output text once finished."""
-        return self._text[: self._emitted]
+        if len(self._released) > 1:
+            self._released = ["".join(self._released)]
+        return self._released[0] if self._released else ""
 
     @property
     def held_back(self) -> str:
-        return "" if self.finished else self._text[self._emitted:]
-
-    def update_delta(self, token_id: int, delta: str) -> StopResult:
-        return self.update(token_id, self._text + delta)
+        return "" if self.finished else self._pending
 
     def update(self, token_id: int, text: str) -> StopResult:
         if self.finished:
             raise RuntimeError("StopChecker.update called after the request finished")
-        prev = len(self._text)
-        if len(text) < prev:
+        if len(text) < self._len:
             raise ValueError("text must extend the previously passed text (pass the full text so far)")
-        self._text = text
+        return self.update_delta(token_id, text[self._len:])
+
+    def update_delta(self, token_id: int, delta: str) -> StopResult:
+        if self.finished:
+            raise RuntimeError("StopChecker.update called after the request finished")
+        prev = self._len
+        self._pending += delta
+        self._len += len(delta)
         self.num_tokens += 1
         token_id = int(token_id)
         keep = self.params.include_stop_str_in_output
 
         if token_id in self.eos_ids or token_id in self.stop_ids:
-            return self._finish("stop", token_id, len(text) if keep else prev)
+            return self._finish("stop", token_id, self._len if keep else prev)
         if self.stops:
-            hit = self._find_stop(prev)
+            hit = self._scan(delta, prev)
             if hit is not None:
                 start, s = hit
                 return self._finish("stop", s, start + len(s) if keep else start)
         if self.num_tokens >= self.params.max_tokens:
-            return self._finish("length", None, len(text))
+            return self._finish("length", None, self._len)
 
-        safe = len(text) - self._held_len(text) if self._hold else len(text)
-        safe = max(safe, self._emitted)
-        out = text[self._emitted : safe]
-        self._emitted = safe
-        return StopResult(False, None, out)
+        safe = self._len - max(self._state) if self._hold else self._len
+        return StopResult(False, None, self._release(max(safe, self._emitted)))
 
     def finish(self, reason: str = "length") -> StopResult:
         """End the request for an outside reason (e.g. context limit); releases held-back text."""
         if self.finished:
             return StopResult(True, self.reason, "")
-        return self._finish(reason, None, len(self._text))
+        return self._finish(reason, None, self._len)
 
     # ------------------------------------------------------------------ helpers
 
-    def _finish(self, reason: str, stop_reason, end: int) -> StopResult:
-        end = max(end, self._emitted)
-        out = self._text[self._emitted : end]
+    def _release(self, end: int) -> str:
+        """Release the text up to absolute position ``end``."""
+        out = self._pending[: end - self._emitted]
+        self._pending = self._pending[end - self._emitted:]
         self._emitted = end
+        if out:
+            self._released.append(out)
+        return out
+
+    def _finish(self, reason: str, stop_reason, end: int) -> StopResult:
+        out = self._release(max(end, self._emitted))
+        self._pending = ""
         self.finished, self.reason, self.stop_reason = True, reason, stop_reason
         return StopResult(True, reason, out)
 
-    def _find_stop(self, prev: int) -> tuple[int, str] | None:
-        """Earliest stop-string match that ends in the new text (text[prev:]); ties: list order."""
+    def _scan(self, delta: str, prev: int) -> tuple[int, str] | None:
+        """Feed ``delta`` (starting at absolute position ``prev``) to every stop string's matcher;
+        the earliest-starting match that ends in it (ties: list order), else None."""
         best: tuple[int, str] | None = None
-        for s in self.stops:
-            i = self._text.find(s, max(0, prev - len(s) + 1))
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
+        for i, s in enumerate(self.stops):
+            fail, st, n = self._fail[i], self._state[i], len(s)
+            for p, c in enumerate(delta):
+                while st and s[st] != c:
+                    st = fail[st - 1]
+                if s[st] == c:
+                    st += 1
+                    if st == n:
+                        start = prev + p + 1 - n
+                        if best is None or start < best[0]:
+                            best = (start, s)
+                        break
+            self._state[i] = st
         return best
 
-    def _held_len(self, text: str) -> int:
-        """Length of the longest tail of ``text`` that is a proper prefix of some stop string."""
-        best = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+
+def _prefix_function(s: str) -> list[int]:
+    """KMP failure table: f[k] = length of the longest proper prefix of s[:k+1] that is also its suffix."""
+    f = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return f

@@ -6,7 +6,12 @@ Behaviour follows vLLM's OpenAI server where the OpenAI API is silent.
 
 - Model names go through the explicit alias table (`aliases.py`).
 - Errors are OpenAI-shaped (`errors.py`): 400 invalid body, 401 bad/missing API key, 404 unknown
-  model, 429 (+ `retry-after`) when the engine cannot take the request, 500 on an engine failure.
+  model, 413 body over `max_body_bytes` (refused from its `content-length` before it is read, or
+  as soon as a chunked body passes the limit), 429 (+ `retry-after`) when the engine cannot take
+  the request, 500 on an engine failure (generic message + request id; details only in the log),
+  503 once the engine has failed.
+- `/health`: `{"status": "ready"|"degraded"|"failed", "reason": ...}`, 200 for ready and
+  degraded, 503 for failed (`worker.EngineWorker.health`).
 - `usage.prompt_tokens_details.cached_tokens` = prompt tokens served by the prefix cache.
 - A client that disconnects (while waiting, mid-generation or mid-stream) aborts its request; its
   KV blocks are freed by the engine thread (`streaming.py`).
@@ -15,7 +20,9 @@ Behaviour follows vLLM's OpenAI server where the OpenAI API is silent.
 from __future__ import annotations
 
 import hmac
+import logging
 import os
+import signal
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -25,13 +32,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from cedlm.server import chat, completions
 from cedlm.server.aliases import AliasTable
 from cedlm.server.chat import EFFORT_HEADER, ReasoningSplitter
-from cedlm.server.errors import install_error_handlers, unauthorized
+from cedlm.server.errors import APIError, BodyTooLarge, fix_openapi, install_error_handlers, unauthorized
 from cedlm.server.metrics import Metrics
-from cedlm.server.protocol import ModelCard, ModelList
+from cedlm.server.protocol import Health, ModelCard, ModelList
 from cedlm.server.state import ServerState
 from cedlm.server.worker import EngineWorker
 
-__all__ = ["create_app", "api_key_from_env", "ReasoningSplitter", "EFFORT_HEADER"]
+__all__ = ["create_app", "api_key_from_env", "ReasoningSplitter", "EFFORT_HEADER", "DEFAULT_MAX_BODY_BYTES"]
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+log = logging.getLogger("cedlm.server")
 
 _ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
 
@@ -50,11 +60,12 @@ async def models(request: Request):
     return ModelList(data=cards).model_dump(exclude_none=True)
 
 
-@ops_router.get("/health")
+@ops_router.get("/health", response_model=Health, responses={503: {"model": Health,
+                "description": "The engine has failed (the process should be restarted)"}})
 async def health(request: Request):
-    if not request.app.state.worker.alive:
-        return JSONResponse({"status": "engine thread not running"}, status_code=503)
-    return {"status": "ok"}
+    status, reason = request.app.state.worker.health()
+    return JSONResponse(Health(status=status, reason=reason).model_dump(),
+                        status_code=503 if status == "failed" else 200)
 
 
 @ops_router.get("/metrics")
@@ -84,6 +95,51 @@ class _HTTPMetrics:
             self.metrics.http.labels(route, str(seen.get("status", 0))).inc()
 
 
+class _BodyLimit:
+    """Pure ASGI middleware: 413 for a request body over `max_bytes`, from the `content-length`
+    header before anything is read, or while a chunked body streams in."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def _too_large(self) -> APIError:
+        e = BodyTooLarge(self.max_bytes)
+        return APIError(413, e.detail, code=e.code)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                try:
+                    n = int(v)
+                except ValueError:
+                    n = 0
+                if n > self.max_bytes:
+                    return await self._too_large().response()(scope, receive, send)
+        seen, started = 0, False
+
+        async def _receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return msg
+
+        async def _send(msg):
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+        try:
+            await self.app(scope, _receive, _send)
+        except BodyTooLarge:                      # raised where no handler turned it into a response
+            if started:
+                raise
+            await self._too_large().response()(scope, receive, send)
+
+
 def _bearer_auth(api_key: str | None):
     """A dependency requiring `Authorization: Bearer <api_key>` (a no-op without a key)."""
 
@@ -97,10 +153,19 @@ def _bearer_auth(api_key: str | None):
     return auth
 
 
+def _exit_process(reason: str) -> None:
+    """The engine failed for good: ask the server to shut down (SIGTERM to this process), so that a
+    supervisor restarts it; `cedlm serve` then exits with status 1."""
+    log.critical("the engine has failed (%s): shutting the server down", reason)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def create_app(llm_or_engine, *, served_model_name: str | None = None,
                aliases: AliasTable | dict[str, str] | None = None, api_key: str | None = None,
                max_waiting: int | None = None, queue_timeout: float | None = 30.0,
-               retry_after: int = 1) -> FastAPI:
+               retry_after: int = 1, max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+               max_prompt_tokens: int | None = None, exit_on_engine_failure: bool = False,
+               worker_options: dict | None = None) -> FastAPI:
     """An app serving an `LLM` or an `Engine`.
 
     served_model_name: the primary name (default "cedlm"); aliases: an AliasTable, or a dict
@@ -108,6 +173,11 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     `Authorization: Bearer <key>` on /v1 routes (None: open); max_waiting: bound on requests waiting
     for admission while the engine is full (None: unbounded); queue_timeout: seconds a request may
     wait for admission (None: forever); beyond either -> 429 with `retry-after: retry_after`.
+    max_body_bytes: request bodies above it get 413 (None: no limit; default 8 MiB);
+    max_prompt_tokens: longer prompts get 400 (None: max_model_len); exit_on_engine_failure: when
+    the engine fails for good, SIGTERM this process (the CLI sets it); worker_options: more
+    `EngineWorker` keywords (max_step_failures, max_restarts, degraded_window, stall_after,
+    on_failed).
     """
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
     tokenizer = getattr(llm_or_engine, "tokenizer", None) or getattr(engine, "tokenizer", None)
@@ -117,8 +187,9 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
             raise ValueError("served_model_name: differs from the alias table's served name")
     else:
         table = AliasTable(served_model_name or "cedlm", aliases)
+    opts = {"on_failed": _exit_process if exit_on_engine_failure else None, **(worker_options or {})}
     worker = EngineWorker(engine, max_waiting=max_waiting, queue_timeout=queue_timeout,
-                          retry_after=retry_after)
+                          retry_after=retry_after, **opts)
     metrics = Metrics(worker, table.served_name)
 
     @asynccontextmanager
@@ -130,10 +201,14 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
             worker.stop()
 
     app = FastAPI(title="cedlm", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.server = ServerState(engine, tokenizer, table, worker, metrics)
+    app.state.server = ServerState(engine, tokenizer, table, worker, metrics,
+                                   max_prompt_tokens=max_prompt_tokens)
     app.state.worker, app.state.engine, app.state.aliases, app.state.metrics = worker, engine, table, metrics
+    if max_body_bytes is not None:
+        app.add_middleware(_BodyLimit, max_bytes=int(max_body_bytes))
     app.add_middleware(_HTTPMetrics, metrics=metrics)
     install_error_handlers(app)
+    fix_openapi(app)
     auth = [Depends(_bearer_auth(api_key))]
     app.include_router(ops_router)
     app.include_router(models_router, dependencies=auth)

@@ -13,9 +13,15 @@ In thinking mode the output is split with `parse_assistant` into `reasoning_cont
 counts the generated tokens up to and including the first `</think>` (all of them if it never
 came). In chat mode everything is `content`. With `tools`, tool calls are parsed from the content
 of a non-streaming response (finish reason "tool_calls").
+
+Only the chat encoder emits control tokens: message text (content, reasoning, tool calls, tool
+schemas and results) is tokenized as plain text (`cedlm.text.chat.encode_chat_ids`), so typing
+`<｜User｜>` or `</think>` in a message cannot forge a turn. Raw control tokens are only accepted
+as token ids on `/v1/completions`. Encoding runs off the event loop.
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -31,7 +37,11 @@ from cedlm.server.protocol import (
 from cedlm.server.state import ServerState, finite_logprob
 from cedlm.server.streaming import RequestEvents, collect, sse, sse_response
 from cedlm.server.worker import Delta, Finished
-from cedlm.text.chat import EOS, THINK_END, THINK_START, encode_chat, parse_assistant, parse_tool_calls
+from cedlm.text.chat import (
+    EOS, THINK_END, THINK_START, encode_chat_parts, parse_assistant, parse_tool_calls, tokenize_parts,
+)
+
+log = logging.getLogger("cedlm.server")
 
 EFFORT_HEADER = "x-cedlm-reasoning-effort"
 
@@ -115,12 +125,25 @@ async def chat(body: ChatCompletionRequest, raw: Request):
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
     msgs = [m.model_dump(exclude_none=True) for m in body.messages]
-    try:
-        text = encode_chat(msgs, "thinking" if thinking else "chat",
-                           effort if thinking else None, tools=body.tools)
-    except (ValueError, KeyError, TypeError) as e:
-        raise APIError(400, f"messages: {e}", param="messages") from None
-    ids = srv.tok.encode(text)
+
+    def encode() -> list[int]:
+        try:
+            parts = encode_chat_parts(msgs, "thinking" if thinking else "chat",
+                                      effort if thinking else None, tools=body.tools)
+        except ValueError as e:
+            raise APIError(400, f"messages: {e}", param="messages") from None
+        except Exception as e:                 # noqa: BLE001 - a message shape the checks missed
+            eid = f"err-{uuid.uuid4().hex[:16]}"
+            log.warning("chat encoding failed [%s]", eid, exc_info=e)
+            raise APIError(400, f"messages: a message could not be encoded; check its shape "
+                                f"(error id {eid})", param="messages") from None
+        srv.check_chars(sum(len(t) for t, _ in parts), "messages")
+        try:
+            return tokenize_parts(parts, srv.tok)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    ids = await srv.tokenize(encode)
     srv.check_len(ids, "messages")
     params = srv.params(body, len(ids), body.max_completion_tokens or body.max_tokens,
                         (body.top_logprobs or 0) if body.logprobs else None)

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import re
+import sys
 
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -11,11 +13,31 @@ def parse_bytes(s: str) -> int:
     """'268435456', '256M', '256MiB', '1.5G', '512k' -> bytes (binary multiples)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(s))
     if not m:
-        raise argparse.ArgumentTypeError(f"kv-budget: {s!r} is not a size like 268435456, 256M or 1G")
+        raise argparse.ArgumentTypeError(f"{s!r} is not a size like 268435456, 256M or 1G")
     n = int(float(m.group(1)) * _SUFFIX[m.group(2).lower()])
     if n <= 0:
-        raise argparse.ArgumentTypeError(f"kv-budget: must be positive, got {s!r}")
+        raise argparse.ArgumentTypeError(f"must be positive, got {s!r}")
     return n
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    h = host.strip().strip("[]")
+    if h.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False          # a host name: it may resolve to anything
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning `cedlm serve` prints when it binds beyond loopback without an API key."""
+    if api_key or is_loopback(host):
+        return None
+    return (f"WARNING: cedlm serve is binding to {host}, which is reachable from other machines, "
+            f"without an API key: anyone who can reach it can use the model. Set --api-key or "
+            f"$CEDLM_API_KEY, or bind to 127.0.0.1.")
 
 
 def _alias(s: str) -> str:
@@ -59,6 +81,12 @@ def add_parser(sub) -> None:
                    help="seconds a request may wait for admission before it gets 429 (0 or less: forever)")
     p.add_argument("--retry-after", "--retry_after", dest="retry_after", type=int, default=1,
                    help="seconds sent in the retry-after header of a 429")
+    p.add_argument("--max-body-bytes", "--max_body_bytes", dest="max_body_bytes", type=parse_bytes,
+                   default=8 << 20, help="largest request body; larger -> 413 before it is read "
+                                          "(suffixes K/M/G, default 8M)")
+    p.add_argument("--max-prompt-tokens", "--max_prompt_tokens", dest="max_prompt_tokens", type=int,
+                   default=None, help="longest prompt a request may send; longer -> 400 "
+                                      "(default: max-model-len)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: best for small models on a busy machine)")
     p.add_argument("--seed", type=int, default=0, help="seed for preset (random) weights")
@@ -79,16 +107,29 @@ def build_app(args):
     return create_app(llm, aliases=table, api_key=api_key_from_env(args.api_key),
                       max_waiting=args.max_waiting,
                       queue_timeout=args.queue_timeout if args.queue_timeout > 0 else None,
-                      retry_after=args.retry_after)
+                      retry_after=args.retry_after, max_body_bytes=getattr(args, "max_body_bytes", 8 << 20),
+                      max_prompt_tokens=getattr(args, "max_prompt_tokens", None),
+                      exit_on_engine_failure=True)
 
 
 def run(args) -> int:
+    import logging
+
     import torch
     import uvicorn
+
+    from cedlm.server.app import api_key_from_env
+    warning = exposure_warning(args.host, api_key_from_env(args.api_key))
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+        logging.getLogger("cedlm.server").warning(warning)
     torch.set_num_threads(args.threads)
     app = build_app(args)
     table = app.state.aliases
     print(f"cedlm serve: {table.served_name} (names: {', '.join(table.describe())}) on "
           f"http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    if app.state.worker.failed:          # the engine failed for good and shut the server down
+        print(f"cedlm serve: the engine failed: {app.state.worker.failed}", file=sys.stderr, flush=True)
+        return 1
     return 0

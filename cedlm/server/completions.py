@@ -1,6 +1,11 @@
 """POST /v1/completions: a text prompt (tokenized with a BOS) or a list of token ids, continued as
 plain text. Logprobs are OpenAI's legacy shape (tokens, token_logprobs, top_logprobs as
-{token: logprob}, text_offset)."""
+{token: logprob}, text_offset).
+
+A text prompt is plain text: special-token strings in it (`<｜User｜>`, `</think>`, ...) are
+tokenized as text, never as control tokens. The raw path is explicit: a prompt given as a list of
+token ids is used as is, control tokens included (that is how to send a pre-rendered chat prompt:
+`cedlm.text.chat.encode_chat_ids` or the tokenizer on the client side)."""
 from __future__ import annotations
 
 import time
@@ -41,7 +46,9 @@ async def completions(body: CompletionRequest, raw: Request):
     if isinstance(prompt, str):
         if srv.tok is None:
             raise APIError(400, "prompt: this model has no tokenizer; send token ids", param="prompt")
-        ids = srv.tok.encode(prompt, add_bos=True)
+        srv.check_chars(len(prompt), "prompt")
+        tok = srv.tok
+        ids = await srv.tokenize(lambda: [tok.bos_id] + tok.encode_plain(prompt))
     else:
         ids = [int(t) for t in prompt]
     srv.check_len(ids, "prompt")

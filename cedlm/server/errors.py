@@ -5,12 +5,19 @@ Every error is `{"error": {"message", "type", "param", "code"}}` with an HTTP st
 - 400 invalid body, including validation errors (FastAPI would make them 422) and malformed JSON;
 - 401 missing or incorrect API key (with `www-authenticate: Bearer`);
 - 404 unknown model (and unknown routes);
+- 413 request body larger than the server's limit (`--max-body-bytes`);
 - 429 the engine cannot take the request now (with `retry-after`), from the worker's `Failed`;
-- 500 engine failure or any unhandled exception.
+- 500 engine failure or any unhandled exception: a generic message and a request id (also in
+  the `x-request-id` header), never the exception's text; the details are logged with that id;
+- 503 the engine has failed (see `/health`) or the server is shutting down.
+
+The OpenAPI schema (`/openapi.json`) documents these (400, not FastAPI's 422).
 """
 from __future__ import annotations
 
 import logging
+import re
+import uuid
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -32,7 +39,9 @@ class APIError(Exception):
 
     @classmethod
     def from_failed(cls, f: Failed) -> "APIError":
-        headers = {"retry-after": str(f.retry_after)} if f.retry_after else None
+        headers = {"retry-after": str(f.retry_after)} if f.retry_after else {}
+        if f.request_id:
+            headers["x-request-id"] = f.request_id
         return cls(f.status, f.message, type=f.type, param=f.param, code=f.code, headers=headers)
 
     def body(self) -> dict:
@@ -43,6 +52,15 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+class BodyTooLarge(StarletteHTTPException):
+    """Raised while a request body is read past the limit (an HTTPException, so FastAPI's body
+    reader passes it through instead of making it a 400)."""
+    code = "request_too_large"
+
+    def __init__(self, max_bytes: int):
+        super().__init__(413, f"request body too large: the limit is {max_bytes} bytes")
+
+
 def unauthorized() -> APIError:
     return APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                     type="invalid_request_error", code="invalid_api_key",
@@ -51,6 +69,19 @@ def unauthorized() -> APIError:
 
 def model_not_found(message: str) -> APIError:
     return APIError(404, message, param="model", code="model_not_found")
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def internal_error(request_id: str, what: str = "internal error") -> APIError:
+    """The 500 a client sees: generic, with the id under which the details were logged."""
+    return APIError(500, f"{what}; the request id is {request_id}", type="server_error",
+                    code="internal_error", headers={"x-request-id": request_id})
+
+
+_PATH_HEAD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?=[\[.:])")
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -69,8 +100,14 @@ def validation_error(exc: RequestValidationError) -> APIError:
         msg = msg[len("Value error, "):]
     param = loc[0] if loc else None
     if param is None:
-        msg = f"request body: {msg}"
-    elif not msg.startswith(f"{param}:"):
+        m = _PATH_HEAD.match(msg)        # a body-level check names its field first ("messages[0]...: ")
+        if m:
+            param = m.group(1)
+        else:
+            msg = f"request body: {msg}"
+    elif re.match(rf"{re.escape(loc[-1])}[\[.:]", msg):   # the check named the field (and a sub-path)
+        msg = ".".join(loc[:-1] + [msg])
+    else:
         msg = f"{'.'.join(loc)}: {msg}"
     if len(errs) > 1:
         msg += f" (and {len(errs) - 1} more error{'s' if len(errs) > 2 else ''})"
@@ -91,10 +128,58 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
         typ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=typ,
+        return APIError(exc.status_code, str(exc.detail), type=typ, code=getattr(exc, "code", None),
                         headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(Exception)
     async def _crash(request, exc: Exception):
-        log.exception("unhandled error")
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+        rid = new_request_id("err")
+        log.error("unhandled error in %s %s [request id %s]", request.method, request.url.path, rid,
+                  exc_info=exc)
+        return internal_error(rid).response()
+
+
+_ERROR_DOC = {
+    400: "Invalid request: malformed JSON, a field of the wrong type or out of range (`param` names it)",
+    401: "Missing or incorrect API key",
+    404: "Unknown model",
+    413: "Request body larger than the server's limit",
+    429: "The engine cannot take the request now (see the `retry-after` header)",
+    500: "Internal error (a generic message with a request id)",
+    503: "The engine has failed or the server is shutting down",
+}
+
+
+def fix_openapi(app: FastAPI) -> None:
+    """Make `/openapi.json` describe what the server answers: the OpenAI error body for 400 (where
+    FastAPI documents a 422 the server never sends) and the other error statuses of a route."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi():
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        comps.update(ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+                     .pop("$defs", {}))
+        comps["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        comps.pop("HTTPValidationError", None)
+        comps.pop("ValidationError", None)
+        body = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        for path, ops in schema.get("paths", {}).items():
+            for method, op in ops.items():
+                resp = op.setdefault("responses", {})
+                had_body = resp.pop("422", None) is not None
+                codes = [500]
+                if path.startswith("/v1/"):
+                    codes += [401]
+                if had_body:
+                    codes += [400, 404, 413, 429, 503]
+                if path == "/health":
+                    continue                      # documented on the route (its own body)
+                for c in sorted(codes):
+                    resp.setdefault(str(c), {"description": _ERROR_DOC[c], "content": body})
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi

@@ -66,6 +66,18 @@ class EngineCollector:
         for k, v in s.get("rejected", {}).items():
             m.add_metric([self.model, k], v)
         yield m
+        m = CounterMetricFamily("cedlm_engine_errors", "Engine failures contained by the worker, by kind "
+                                "(request: one request failed; step: a whole step; loop: the loop crashed).",
+                                labels=lab + ["kind"])
+        for k, v in s.get("errors", {}).items():
+            m.add_metric([self.model, k], v)
+        yield m
+        status, _ = self.worker.health()
+        g = GaugeMetricFamily("cedlm_engine_health", "1 for the engine's current health status (as /health).",
+                              labels=lab + ["status"])
+        for st in ("ready", "degraded", "failed"):
+            g.add_metric([self.model, st], 1 if st == status else 0)
+        yield g
 
 
 class Metrics:

@@ -14,6 +14,19 @@ Admission control: at most `max_waiting` requests wait in the scheduler when the
 admit at once (more -> 429 at submit), and a request not admitted within `queue_timeout` seconds
 is withdrawn (429). Both carry `retry_after` seconds.
 
+Containment: a failure while handling one request fails that request alone. The engine finishes a
+request whose batch raised with finish_reason "error" (and `req.error`); the worker sends it a
+500 with a generic message and its request id (the details are logged under that id, never sent)
+and everyone else goes on. Handling one command (add, abort, publish) that raises fails only that
+request. A raise out of `engine.step()` itself leaves the engine's state suspect: the requests in
+flight get a 500 and the loop goes on; `max_step_failures` such raises in a row (no good step in
+between) or `max_restarts` crashes of the loop within a minute mark the engine failed: the thread
+ends, every request then gets 503 at once, `/health` says "failed" and `on_failed` is called (the
+CLI exits the process so a supervisor restarts it). `health()` is the truth /health serves:
+("ready" | "degraded" | "failed", reason); degraded = engine errors in the last
+`degraded_window` seconds, one loop iteration (a step, a store call) running longer than
+`stall_after` seconds, store errors or an open store circuit breaker.
+
 The engine is read only through its public surface: `add_request`, `abort` (which also forgets
 the request), `step` (which forgets the requests that finished), `has_work` and `snapshot()`;
 `snapshot` here is the last engine snapshot as a dict, plus the 429 counts, for the metrics.
@@ -21,11 +34,13 @@ the request), `step` (which forgets the requests that finished), `has_work` and 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -67,6 +82,7 @@ class Failed:
     code: str | None = None
     type: str = "invalid_request_error"
     retry_after: int | None = None
+    request_id: str | None = None        # set on a 500: the id its details were logged under
 
 
 @dataclass
@@ -96,25 +112,44 @@ def _param_of(message: str) -> str | None:
     return head if head.isidentifier() else None
 
 
+class _EngineFailed(Exception):
+    pass
+
+
+def _error_id() -> str:
+    return f"err-{uuid.uuid4().hex[:16]}"
+
+
 class EngineWorker:
     def __init__(self, engine, *, max_waiting: int | None = None, queue_timeout: float | None = 30.0,
-                 retry_after: int = 1):
+                 retry_after: int = 1, max_step_failures: int = 5, max_restarts: int = 3,
+                 degraded_window: float = 60.0, stall_after: float = 30.0,
+                 on_failed: Callable[[str], Any] | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
         self.queue_timeout = queue_timeout
         self.retry_after = max(1, int(retry_after))
+        self.max_step_failures, self.max_restarts = max_step_failures, max_restarts
+        self.degraded_window, self.stall_after = degraded_window, stall_after
+        self.on_failed = on_failed
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
+        self._lock = threading.Lock()            # orders submit() against the engine failing
         self._stop = False
         self._tracked: dict[str, _Track] = {}
         self._thread: threading.Thread | None = None
+        self._failed: str | None = None          # why the engine is failed (sticky)
+        self._recent: collections.deque = collections.deque(maxlen=64)   # (monotonic, reason)
+        self._busy_since: float | None = None    # start of the engine thread's current iteration
+        self._store_errors = (0, 0.0)            # (last count seen, when it last grew)
         self.rejected = {"queue_full": 0, "queue_timeout": 0}
+        self.errors = {"request": 0, "step": 0, "loop": 0}
         self.snapshot: dict = {}
         self._update_snapshot()
 
     # ------------------------------------------------------------ handler side (any thread)
     def start(self) -> None:
-        if self._thread is None:
+        if self._thread is None and self._failed is None:
             self._stop = False
             self._thread = threading.Thread(target=self._run, name="cedlm-engine", daemon=True)
             self._thread.start()
@@ -123,18 +158,51 @@ class EngineWorker:
         if self._thread is not None:
             self._stop = True
             self._wake.set()
-            self._thread.join(timeout)
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout)
             self._thread = None
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def failed(self) -> str | None:
+        return self._failed
+
+    def health(self) -> tuple[str, str | None]:
+        """("ready" | "degraded" | "failed", reason or None)."""
+        if self._failed is not None:
+            return "failed", self._failed
+        if not self.alive:
+            return "failed", "the engine thread is not running"
+        now = time.monotonic()
+        t = self._busy_since
+        if t is not None and now - t > self.stall_after:
+            return "degraded", (f"the engine thread has been busy for {now - t:.0f} s in one iteration "
+                                f"(a step or a store call may hang)")
+        recent = [r for ts, r in list(self._recent) if now - ts <= self.degraded_window]
+        if recent:
+            return "degraded", (f"{len(recent)} engine error{'s' if len(recent) > 1 else ''} in the last "
+                                f"{self.degraded_window:g} s; the last: {recent[-1]}")
+        kv = self.snapshot.get("kv", {})
+        if kv.get("store_breaker_state", "closed") != "closed":
+            return "degraded", (f"the KV store's circuit breaker is {kv['store_breaker_state']}: "
+                                f"store reads/writes are skipped (prefix-cache misses)")
+        n, when = self._store_errors
+        if n and now - when <= self.degraded_window:
+            return "degraded", f"KV store errors in the last {self.degraded_window:g} s (treated as cache misses)"
+        return "ready", None
+
     def submit(self, request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
         """Queue a request; returns the asyncio.Queue its events arrive on (call from the loop)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        self._cmds.put(("add", _Submit(request_id, list(prompt_ids), params, q, loop)))
+        with self._lock:
+            if self._failed is not None:
+                q.put_nowait(self._failed_event())
+                return q
+            self._cmds.put(("add", _Submit(request_id, list(prompt_ids), params, q, loop)))
         self._wake.set()
         return q
 
@@ -145,16 +213,50 @@ class EngineWorker:
     def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Run fn(engine) on the engine thread; a Future of its result (for tests and tools)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(("call", (fn, fut)))
+        with self._lock:
+            if self._failed is not None:
+                fut.set_exception(RuntimeError(f"the engine has failed: {self._failed}"))
+                return fut
+            self._cmds.put(("call", (fn, fut)))
         self._wake.set()
         return fut
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        crashes: list[float] = []
+        try:
+            while True:
+                try:
+                    self._loop()
+                    break                                  # asked to stop
+                except _EngineFailed as e:
+                    self._set_failed(str(e))
+                    break
+                except BaseException as e:                 # noqa: BLE001 - the thread must not die silently
+                    eid = _error_id()
+                    log.critical("engine loop crashed [%s]; restarting it", eid, exc_info=e)
+                    self.errors["loop"] += 1
+                    self._note(f"the engine loop crashed (error id {eid})")
+                    self._fail_all(lambda rid: self._internal(rid))
+                    now = time.monotonic()
+                    crashes = [t for t in crashes if now - t < 60.0] + [now]
+                    if len(crashes) > self.max_restarts or not isinstance(e, Exception):
+                        self._set_failed(f"the engine loop crashed {len(crashes)} time(s) within 60 s "
+                                         f"(the last: error id {eid})")
+                        break
+        finally:
+            self._fail_all(lambda rid: self._failed_event() if self._failed else Failed(
+                503, "the server is shutting down", type="server_error", code="shutting_down"))
+            self._update_snapshot()
+
+    def _loop(self) -> None:
         eng = self.engine
+        failures = 0
         while not self._stop:
+            self._busy_since = None
             if not eng.has_work and self._cmds.empty():
                 self._wake.wait()
+            self._busy_since = time.monotonic()
             self._wake.clear()
             self._drain()
             if self._stop:
@@ -164,18 +266,59 @@ class EngineWorker:
             if eng.has_work:
                 try:
                     eng.step()
-                except Exception as e:            # the engine's state is suspect: fail everyone
-                    log.exception("engine step failed")
-                    self._fail_all(Failed(500, f"engine error: {type(e).__name__}: {e}",
-                                          type="server_error", code="engine_error"))
+                    failures = 0
+                except Exception as e:            # the engine's state is suspect: fail who is in flight
+                    failures += 1
+                    eid = _error_id()
+                    log.error("engine step failed [%s] (%d in a row); failing the %d requests in flight",
+                              eid, failures, len(self._tracked), exc_info=e)
+                    self.errors["step"] += 1
+                    self._note(f"an engine step failed (error id {eid})")
+                    self._fail_all(lambda rid: self._internal(rid))
+                    self._update_snapshot()
+                    if failures >= self.max_step_failures:
+                        raise _EngineFailed(f"{failures} engine steps failed in a row "
+                                            f"(the last: error id {eid})") from e
                     continue
                 progressed = self._publish()
             snap = self._update_snapshot()
             if not progressed and snap is not None and snap.num_running == 0:
                 time.sleep(0.001)                 # nothing could move (waiting on memory): don't spin hot
-        self._fail_all(Failed(503, "the server is shutting down", type="server_error",
-                              code="shutting_down"))
-        self._update_snapshot()
+
+    # ------------------------------------------------------------ failure bookkeeping
+    def _note(self, reason: str) -> None:
+        self._recent.append((time.monotonic(), reason))
+
+    def _internal(self, rid: str) -> Failed:
+        return Failed(500, f"the engine failed while processing this request; the request id is {rid}",
+                      type="server_error", code="engine_error", request_id=rid)
+
+    def _failed_event(self) -> Failed:
+        return Failed(503, "the engine has failed and is not serving requests (see /health); "
+                           "the server must be restarted", type="server_error", code="engine_failed")
+
+    def _set_failed(self, reason: str) -> None:
+        log.critical("engine failed: %s", reason)
+        with self._lock:
+            self._failed = reason
+            pending = []
+            while True:
+                try:
+                    pending.append(self._cmds.get_nowait())
+                except queue.Empty:
+                    break
+        for kind, arg in pending:                 # commands that will never run
+            if kind == "add":
+                self._send(arg, self._failed_event())
+            elif kind == "call":
+                _, fut = arg
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(RuntimeError(f"the engine has failed: {reason}"))
+        if self.on_failed is not None:
+            try:
+                self.on_failed(reason)
+            except Exception:                     # noqa: BLE001
+                log.exception("on_failed callback raised")
 
     def _send(self, t, ev) -> None:
         try:
@@ -193,7 +336,7 @@ class EngineWorker:
                 self._add(arg)
             elif kind == "abort":
                 if self._tracked.pop(arg, None) is not None:
-                    self.engine.abort(arg)
+                    self._abort(arg)
             elif kind == "call":
                 fn, fut = arg
                 if fut.set_running_or_notify_cancel():
@@ -201,6 +344,15 @@ class EngineWorker:
                         fut.set_result(fn(self.engine))
                     except BaseException as e:   # noqa: BLE001 - handed to the caller
                         fut.set_exception(e)
+
+    def _abort(self, rid: str) -> None:
+        try:
+            self.engine.abort(rid)
+        except Exception as e:                    # noqa: BLE001 - one abort must not stop the engine
+            eid = _error_id()
+            log.error("abort of %s failed [%s]", rid, eid, exc_info=e)
+            self.errors["request"] += 1
+            self._note(f"aborting a request failed (error id {eid})")
 
     def _queue_full(self) -> EngineSnapshot | None:
         """The engine's snapshot when the request must be refused: the waiting queue is at its
@@ -212,16 +364,16 @@ class EngineWorker:
         return s if s.num_waiting >= self.max_waiting and cannot_admit_now else None
 
     def _add(self, sub: _Submit) -> None:
-        s = self._queue_full()
-        if s is not None:
-            self.rejected["queue_full"] += 1
-            self._send(sub, Failed(
-                429, f"the server is full: {s.num_running} requests running (max_num_seqs "
-                     f"{s.max_num_seqs}) and {s.num_waiting} waiting (queue bound {self.max_waiting}); "
-                     f"retry after {self.retry_after} s",
-                code="rate_limit_exceeded", type="rate_limit_error", retry_after=self.retry_after))
-            return
         try:
+            s = self._queue_full()
+            if s is not None:
+                self.rejected["queue_full"] += 1
+                self._send(sub, Failed(
+                    429, f"the server is full: {s.num_running} requests running (max_num_seqs "
+                         f"{s.max_num_seqs}) and {s.num_waiting} waiting (queue bound {self.max_waiting}); "
+                         f"retry after {self.retry_after} s",
+                    code="rate_limit_exceeded", type="rate_limit_error", retry_after=self.retry_after))
+                return
             req = self.engine.add_request(sub.prompt_ids, sub.params, sub.request_id)
         except RequestRejected as e:
             msg = str(e)
@@ -232,6 +384,13 @@ class EngineWorker:
             msg = str(e)
             self._send(sub, Failed(400, msg, param=_param_of(msg)))
             return
+        except Exception as e:                    # noqa: BLE001 - this request fails, nobody else
+            log.error("adding request %s failed", sub.request_id, exc_info=e)
+            self.errors["request"] += 1
+            self._note(f"adding a request failed (request id {sub.request_id})")
+            self._abort(sub.request_id)
+            self._send(sub, self._internal(sub.request_id))
+            return
         self._tracked[sub.request_id] = _Track(req, sub.q, sub.loop, sub.submitted)
 
     def _expire(self) -> None:
@@ -241,7 +400,7 @@ class EngineWorker:
         for rid, t in list(self._tracked.items()):
             if not t.admitted and t.req.status is Status.WAITING and not t.req.output_ids \
                     and now - t.submitted > self.queue_timeout:
-                self.engine.abort(rid)
+                self._abort(rid)
                 del self._tracked[rid]
                 self.rejected["queue_timeout"] += 1
                 self._send(t, Failed(
@@ -252,33 +411,52 @@ class EngineWorker:
     def _publish(self) -> bool:
         progressed = False
         for rid, t in list(self._tracked.items()):
-            r = t.req
-            if not t.admitted and (r.status is not Status.WAITING or r.output_ids or r.finished):
-                t.admitted, t.cached = True, r.num_prefix_hit
-                self._send(t, Admitted(t.cached))
-                progressed = True
-            n = len(r.output_ids)
-            if n > t.sent_tokens or len(r.text) > t.sent_text:
-                top = None
-                if r.params.logprobs:
-                    top = [(ids.tolist(), lps.tolist()) for ids, lps in r.top_logprobs[t.sent_tokens:n]]
-                self._send(t, Delta(r.text[t.sent_text:], r.output_ids[t.sent_tokens:n],
-                                    r.output_logprobs[t.sent_tokens:n], top))
-                t.sent_text, t.sent_tokens = len(r.text), n
-                progressed = True
-            if r.finished:
-                self._send(t, Finished(r.finish_reason or "stop", len(r.prompt_ids), n, t.cached))
-                del self._tracked[rid]           # (the engine forgot it in step())
+            try:
+                progressed |= self._publish_one(rid, t)
+            except Exception as e:                # noqa: BLE001 - this request fails, nobody else
+                log.error("publishing request %s failed", rid, exc_info=e)
+                self.errors["request"] += 1
+                self._note(f"publishing a request failed (request id {rid})")
+                self._tracked.pop(rid, None)
+                self._abort(rid)
+                self._send(t, self._internal(rid))
                 progressed = True
         return progressed
 
-    def _fail_all(self, failure: Failed) -> None:
+    def _publish_one(self, rid: str, t: _Track) -> bool:
+        r = t.req
+        progressed = False
+        if r.finished and (r.finish_reason == "error" or getattr(r, "error", None)):
+            # the engine aborted this request's batch: it alone gets the error
+            log.error("request %s failed in the engine: %s", rid, getattr(r, "error", None) or "(no detail)")
+            self.errors["request"] += 1
+            self._note(f"a request failed in the engine (request id {rid})")
+            del self._tracked[rid]
+            self._send(t, self._internal(rid))
+            return True
+        if not t.admitted and (r.status is not Status.WAITING or r.output_ids or r.finished):
+            t.admitted, t.cached = True, r.num_prefix_hit
+            self._send(t, Admitted(t.cached))
+            progressed = True
+        n = len(r.output_ids)
+        if n > t.sent_tokens or len(r.text) > t.sent_text:
+            top = None
+            if r.params.logprobs:
+                top = [(ids.tolist(), lps.tolist()) for ids, lps in r.top_logprobs[t.sent_tokens:n]]
+            self._send(t, Delta(r.text[t.sent_text:], r.output_ids[t.sent_tokens:n],
+                                r.output_logprobs[t.sent_tokens:n], top))
+            t.sent_text, t.sent_tokens = len(r.text), n
+            progressed = True
+        if r.finished:
+            self._send(t, Finished(r.finish_reason or "stop", len(r.prompt_ids), n, t.cached))
+            del self._tracked[rid]               # (the engine forgot it in step())
+            progressed = True
+        return progressed
+
+    def _fail_all(self, failure: Callable[[str], Failed]) -> None:
         for rid, t in list(self._tracked.items()):
-            try:
-                self.engine.abort(rid)
-            except Exception:                     # noqa: BLE001 - best effort while failing
-                log.exception("abort of %s failed", rid)
-            self._send(t, failure)
+            self._abort(rid)
+            self._send(t, failure(rid))
         self._tracked.clear()
 
     def _update_snapshot(self) -> EngineSnapshot | None:
@@ -288,8 +466,11 @@ class EngineWorker:
             s = self.engine.snapshot()
         except Exception:                         # noqa: BLE001 - stats must never kill the loop
             log.debug("engine snapshot failed", exc_info=True)
-            self.snapshot = {**self.snapshot, "rejected": dict(self.rejected)}
+            self.snapshot = {**self.snapshot, "rejected": dict(self.rejected), "errors": dict(self.errors)}
             return None
+        n = int(s.kv.get("store_errors", 0) or 0)
+        if n > self._store_errors[0]:
+            self._store_errors = (n, time.monotonic())
         self.snapshot = {
             "running": s.num_running,
             "waiting": s.num_waiting,
@@ -297,5 +478,6 @@ class EngineWorker:
             "peak": s.peak,
             "counters": s.counters,
             "rejected": dict(self.rejected),
+            "errors": dict(self.errors),
         }
         return s

@@ -1,7 +1,8 @@
 """DeepSeek-V4.1 chat encoding (strings only; no tokenizer dependency).
 
 ``encode_chat`` renders a message list into the exact prompt string of the official V4.1 encoder
-(shared/reference/chat-encoding.md holds the authoritative rendered examples). Messages are dicts:
+(the V4.1 encoder shipped with vLLM, `deepseek_v41_encoding.py`; tests/test_chat.py checks its
+rendered examples byte for byte). Messages are dicts:
 
 - ``{"role": "system"|"user"|"developer"|"latest_reminder", "content": str}``
 - ``{"role": "assistant", "content": str, "reasoning_content": str, "tool_calls": [...], "wo_eos": bool}``
@@ -14,6 +15,12 @@
 
 Content may also be a list of blocks: ``{"type":"text","text":…}``, ``{"type":"image"…}`` /
 ``{"type":"image_url"…}`` (rendered as ``IMAGE_TOKEN``) and ``{"type":"tool_result",…}``.
+
+Control tokens come only from this encoder. ``encode_chat_parts`` returns the same prompt as
+``(text, is_content)`` pieces, where ``is_content`` marks text taken from the messages (content,
+reasoning, tool calls and schemas, tool results); ``encode_chat_ids`` tokenizes those pieces as
+plain text (special-token strings typed in them stay text), so a message can never forge a role,
+``</think>`` or EOS token. Malformed messages raise ``ValueError`` naming the message and field.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import weakref
 from typing import Any
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -101,61 +109,134 @@ def resolve_effort(reasoning_effort: str | int | None) -> int | None:
 
 
 def _function(tool: dict) -> dict:
-    return tool["function"] if tool.get("type") == "function" and "function" in tool else tool
+    if not isinstance(tool, dict):
+        raise ValueError(f"tools: each tool must be an object, got {type(tool).__name__}")
+    fn = tool["function"] if tool.get("type") == "function" and "function" in tool else tool
+    if not isinstance(fn, dict):
+        raise ValueError(f"tools: 'function' must be an object, got {type(fn).__name__}")
+    return fn
+
+
+def _tool_list(tools) -> list:
+    if not isinstance(tools, list):
+        raise ValueError(f"tools: must be a list of tool objects, got {type(tools).__name__}")
+    return tools
+
+
+_TOOLS_HEAD, _TOOLS_TAIL = TOOLS_TEMPLATE.split("{schemas}")
+
+
+def _tools_parts(tools: list[dict]) -> list[tuple[str, bool]]:
+    schemas = "\n".join(_json(_function(t)) for t in _tool_list(tools))
+    return [(_TOOLS_HEAD.format(d=DSML), False), (schemas, True), (_TOOLS_TAIL, False)]
 
 
 def render_tools(tools: list[dict]) -> str:
     """The tools instruction block with one JSON schema per line."""
-    return TOOLS_TEMPLATE.format(d=DSML, schemas="\n".join(_json(_function(t)) for t in tools))
+    return "".join(t for t, _ in _tools_parts(tools))
 
 
 def _call(tc: dict) -> tuple[str, Any, str]:
+    if not isinstance(tc, dict):
+        raise ValueError(f"tool_calls: each tool call must be an object, got {type(tc).__name__}")
     fn = tc.get("function", tc)
-    return fn.get("name"), fn.get("arguments", {}), tc.get("id") or fn.get("id") or ""
+    if not isinstance(fn, dict):
+        raise ValueError(f"tool_calls: 'function' must be an object, got {type(fn).__name__}")
+    name, cid = fn.get("name"), tc.get("id") or fn.get("id") or ""
+    if not isinstance(name, str) or not isinstance(cid, str):
+        raise ValueError("tool_calls: 'function.name' and 'id' must be strings")
+    return name, fn.get("arguments", {}), cid
+
+
+def _tool_calls_parts(tool_calls: list[dict]) -> list[tuple[str, bool]]:
+    """``<｜DSML｜ calls>`` block as prompt pieces: the markup is the encoder's, names and values
+    are message text."""
+    if not isinstance(tool_calls, list):
+        raise ValueError("tool_calls: must be a list")
+    out: list[tuple[str, bool]] = [(f"<{DSML} calls>\n", False)]
+    for j, tc in enumerate(tool_calls):
+        name, args, _ = _call(tc)
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise ValueError("tool_calls: 'function.arguments' is not valid JSON") from None
+        if not isinstance(args, dict):
+            raise ValueError("tool call arguments must be a JSON object")
+        if j:
+            out.append(("\n", False))
+        out += [(f'<{DSML} invoke name="', False), (name, True), ('">\n', False)]
+        for k, (key, v) in enumerate(args.items()):
+            if k:
+                out.append(("\n", False))
+            out += [(f'<{DSML} parameter name="', False), (key, True),
+                    (f'" string="{"true" if isinstance(v, str) else "false"}">', False),
+                    (v if isinstance(v, str) else _json(v), True), (f"</{DSML} parameter>", False)]
+        out.append((f"\n</{DSML} invoke>", False))
+    out.append((f"\n</{DSML} calls>", False))
+    return out
 
 
 def render_tool_calls(tool_calls: list[dict]) -> str:
     """``<｜DSML｜ calls>`` block (without the leading blank line) for OpenAI-style or bare calls."""
-    invokes = []
-    for tc in tool_calls:
-        name, args, _ = _call(tc)
-        if isinstance(args, str):
-            args = json.loads(args)
-        if not isinstance(args, dict):
-            raise ValueError("tool call arguments must be a JSON object")
-        params = [
-            f'<{DSML} parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
-            f"{v if isinstance(v, str) else _json(v)}</{DSML} parameter>"
-            for k, v in args.items()
-        ]
-        invokes.append(f'<{DSML} invoke name="{name}">\n' + "\n".join(params) + f"\n</{DSML} invoke>")
-    return f"<{DSML} calls>\n" + "\n".join(invokes) + f"\n</{DSML} calls>"
+    return "".join(t for t, _ in _tool_calls_parts(tool_calls))
 
 
 # ----------------------------------------------------------------------------- preprocessing
 
 
-def _blocks_text(blocks: list) -> str:
-    parts = []
-    for b in blocks:
+def _text_of(x, what: str) -> str:
+    if x is None:
+        return ""
+    if not isinstance(x, str):
+        raise ValueError(f"{what} must be a string, got {type(x).__name__}")
+    return x
+
+
+def _blocks_parts(blocks: list) -> list[tuple[str, bool]]:
+    """Content blocks as prompt pieces (see ``encode_chat_parts``); blocks joined by a blank line."""
+    if not isinstance(blocks, list):
+        raise ValueError(f"content must be a string or a list of blocks, got {type(blocks).__name__}")
+    out: list[tuple[str, bool]] = []
+    for k, b in enumerate(blocks):
+        if k:
+            out.append(("\n\n", False))
         if isinstance(b, str):
-            parts.append(b)
+            out.append((b, True))
             continue
+        if not isinstance(b, dict):
+            raise ValueError(f"content[{k}] must be an object, got {type(b).__name__}")
         t = b.get("type")
         if t == "text":
-            parts.append(b.get("text", ""))
+            out.append((_text_of(b.get("text", ""), f"content[{k}].text"), True))
         elif t in ("image", "image_url"):
-            parts.append(IMAGE_TOKEN)
+            out.append((IMAGE_TOKEN, False))
         elif t == "tool_result":
             c = b.get("content", "")
+            out.append(("<tool_result>", False))
             if isinstance(c, list):
-                c = "\n\n".join(x.get("text", "") if x.get("type") == "text" else
-                                (IMAGE_TOKEN if x.get("type") in ("image", "image_url") else f"[Unsupported {x.get('type')}]")
-                                for x in c)
-            parts.append(f"<tool_result>{c}</tool_result>")
+                for j, x in enumerate(c):
+                    if j:
+                        out.append(("\n\n", False))
+                    if not isinstance(x, dict):
+                        raise ValueError(f"content[{k}].content[{j}] must be an object, got {type(x).__name__}")
+                    xt = x.get("type")
+                    if xt == "text":
+                        out.append((_text_of(x.get("text", ""), f"content[{k}].content[{j}].text"), True))
+                    elif xt in ("image", "image_url"):
+                        out.append((IMAGE_TOKEN, False))
+                    else:
+                        out.append((f"[Unsupported {xt}]", True))
+            else:
+                out.append((_text_of(c, f"content[{k}].content"), True))
+            out.append(("</tool_result>", False))
         else:
-            parts.append(f"[Unsupported {t}]")
-    return "\n\n".join(parts)
+            out.append((f"[Unsupported {t}]", True))
+    return out
+
+
+def _blocks_text(blocks: list) -> str:
+    return "".join(t for t, _ in _blocks_parts(blocks))
 
 
 def _merge_tools(messages: list[dict]) -> list[dict]:
@@ -228,44 +309,54 @@ def _drop_old_thinking(messages: list[dict]) -> list[dict]:
 # ----------------------------------------------------------------------------- rendering
 
 
-def _content(m: dict) -> str:
+def _content_parts(m: dict) -> list[tuple[str, bool]]:
     c = m.get("content")
     if isinstance(c, list):
-        return _blocks_text(c)
-    return c or ""
+        return _blocks_parts(c)
+    return [(_text_of(c, "content"), True)]
 
 
-def _render(i: int, msgs: list[dict], thinking: bool, drop: bool, effort: int) -> str:
+def _content(m: dict) -> str:
+    return "".join(t for t, _ in _content_parts(m))
+
+
+def _render(i: int, msgs: list[dict], thinking: bool, drop: bool, effort: int) -> list[tuple[str, bool]]:
     m = msgs[i]
     role = m.get("role")
     last_user = _last_user(msgs)
     effort_text = EFFORT_TEMPLATE.format(n=effort) if (i == 0 and thinking) else ""
-    out = SYSTEM if i == 0 and (effort_text or role == "system") else ""
-    out += effort_text
+    out: list[tuple[str, bool]] = []
+    if i == 0 and (effort_text or role == "system"):
+        out.append((SYSTEM, False))
+    out.append((effort_text, False))
 
     if role in ("system", "developer"):
-        extra = ""
+        extra: list[tuple[str, bool]] = []
         if m.get("tools"):
-            extra += "\n\n" + render_tools(m["tools"])
+            extra += [("\n\n", False)] + _tools_parts(m["tools"])
         if m.get("response_format"):
-            extra += "\n\n" + RESPONSE_FORMAT_TEMPLATE.format(schema=_json(m["response_format"]))
+            head, tail = RESPONSE_FORMAT_TEMPLATE.split("{schema}")
+            extra += [("\n\n" + head, False), (_json(m["response_format"]), True), (tail, False)]
+        content = _content_parts(m)
         if role == "system":
-            out += (SYSTEM if i > 0 else "") + _content(m) + extra
+            out += ([(SYSTEM, False)] if i > 0 else []) + content + extra
         else:
-            if not _content(m):
+            if not "".join(t for t, _ in content):
                 raise ValueError("a developer message needs content")
-            out += USER + _content(m) + extra
+            out += [(USER, False)] + content + extra
     elif role == "user":
-        out += USER + (_blocks_text(m["blocks"]) if "blocks" in m else _content(m))
+        out += [(USER, False)] + (_blocks_parts(m["blocks"]) if "blocks" in m else _content_parts(m))
     elif role == "latest_reminder":
-        out += LATEST_REMINDER + _content(m)
+        out += [(LATEST_REMINDER, False)] + _content_parts(m)
     elif role == "assistant":
-        calls = "\n\n" + render_tool_calls(m["tool_calls"]) if m.get("tool_calls") else ""
-        reasoning = ""
         after_task = i > 0 and msgs[i - 1].get("task") is not None
         if thinking and not after_task and (not drop or i > last_user):
-            reasoning = (m.get("reasoning_content") or "") + THINK_END
-        out += reasoning + _content(m) + calls + ("" if m.get("wo_eos") else EOS)
+            out += [(_text_of(m.get("reasoning_content"), "reasoning_content"), True), (THINK_END, False)]
+        out += _content_parts(m)
+        if m.get("tool_calls"):
+            out += [("\n\n", False)] + _tool_calls_parts(m["tool_calls"])
+        if not m.get("wo_eos"):
+            out.append((EOS, False))
     elif role == "tool":  # pragma: no cover - merged away before rendering
         raise ValueError("tool messages must follow an assistant message with tool_calls")
     else:
@@ -276,19 +367,72 @@ def _render(i: int, msgs: list[dict], thinking: bool, drop: bool, effort: int) -
         return out
     task = m.get("task")
     if task is not None:
-        if task not in TASK_TOKENS:
+        if not isinstance(task, str) or task not in TASK_TOKENS:
             raise ValueError(f"invalid task {task!r}: allowed values are {', '.join(TASK_TOKENS)}")
         if task == "action":
-            out += ASSISTANT + (THINK_START if thinking else THINK_END) + TASK_TOKENS[task]
+            out += [(ASSISTANT, False), (THINK_START if thinking else THINK_END, False), (TASK_TOKENS[task], False)]
         else:
-            out += TASK_TOKENS[task]
+            out.append((TASK_TOKENS[task], False))
     elif role in ("user", "developer") or (role == "system" and i > 0):
-        out += ASSISTANT
+        out.append((ASSISTANT, False))
         if thinking and (not drop or i >= last_user):
-            out += THINK_START
+            out.append((THINK_START, False))
         else:
-            out += THINK_END
+            out.append((THINK_END, False))
     return out
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list):
+        raise ValueError("messages: must be a list of message objects")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{k}]: must be an object, got {type(m).__name__}")
+        if isinstance(m.get("content"), str) and IMAGE_TOKEN in m["content"]:
+            raise ValueError(f"message content contains {IMAGE_TOKEN!r}; pass images as content blocks")
+        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
+            raise ValueError(f"messages[{k}].tool_calls: must be a list")
+        if m.get("tools") is not None and not isinstance(m["tools"], list):
+            raise ValueError(f"messages[{k}].tools: must be a list of tool objects")
+
+
+def encode_chat_parts(
+    messages: list[dict],
+    thinking_mode: str = "chat",
+    reasoning_effort: str | int | None = None,
+    drop_thinking: bool = True,
+    tools: list[dict] | None = None,
+    add_bos: bool = True,
+) -> list[tuple[str, bool]]:
+    """``encode_chat`` as ``(text, is_content)`` pieces whose concatenation is the prompt string.
+
+    ``is_content`` is True for text taken from the messages, which must be tokenized as plain text
+    (``encode_chat_ids``); False for the encoder's own markup (control tokens and templates)."""
+    if thinking_mode not in ("chat", "thinking"):
+        raise ValueError(f"invalid thinking_mode {thinking_mode!r}: allowed values are 'chat', 'thinking'")
+    effort = resolve_effort(reasoning_effort)
+    if effort is None:
+        thinking_mode = "chat"
+        effort = EFFORT_LEVELS[DEFAULT_EFFORT]
+    thinking = thinking_mode == "thinking"
+
+    _check_messages(messages)
+    msgs = [dict(m) for m in messages]
+    if tools:
+        _tool_list(tools)
+        sys_idx = next((k for k, m in enumerate(msgs) if m.get("role") == "system"), None)
+        if sys_idx is None:
+            msgs.insert(0, {"role": "system", "content": ""})
+            sys_idx = 0
+        msgs[sys_idx]["tools"] = list(msgs[sys_idx].get("tools") or []) + list(tools)
+    msgs = _merge_tools(msgs)
+    drop = drop_thinking and not any(m.get("tools") for m in msgs)
+    if thinking and drop:
+        msgs = _drop_old_thinking(msgs)
+    parts: list[tuple[str, bool]] = [(BOS, False)] if add_bos else []
+    for i in range(len(msgs)):
+        parts += _render(i, msgs, thinking, drop, effort)
+    return [(t, c) for t, c in parts if t]
 
 
 def encode_chat(
@@ -306,29 +450,63 @@ def encode_chat(
     to chat mode. ``drop_thinking`` drops the reasoning of assistant turns before the last user turn;
     it is turned off when any message carries tools.
     """
-    if thinking_mode not in ("chat", "thinking"):
-        raise ValueError(f"invalid thinking_mode {thinking_mode!r}: allowed values are 'chat', 'thinking'")
-    effort = resolve_effort(reasoning_effort)
-    if effort is None:
-        thinking_mode = "chat"
-        effort = EFFORT_LEVELS[DEFAULT_EFFORT]
-    thinking = thinking_mode == "thinking"
+    return "".join(t for t, _ in encode_chat_parts(messages, thinking_mode, reasoning_effort,
+                                                   drop_thinking, tools, add_bos))
 
-    msgs = [dict(m) for m in messages]
-    for m in msgs:
-        if isinstance(m.get("content"), str) and IMAGE_TOKEN in m["content"]:
-            raise ValueError(f"message content contains {IMAGE_TOKEN!r}; pass images as content blocks")
-    if tools:
-        sys_idx = next((k for k, m in enumerate(msgs) if m.get("role") == "system"), None)
-        if sys_idx is None:
-            msgs.insert(0, {"role": "system", "content": ""})
-            sys_idx = 0
-        msgs[sys_idx]["tools"] = list(msgs[sys_idx].get("tools") or []) + list(tools)
-    msgs = _merge_tools(msgs)
-    drop = drop_thinking and not any(m.get("tools") for m in msgs)
-    if thinking and drop:
-        msgs = _drop_old_thinking(msgs)
-    return (BOS if add_bos else "") + "".join(_render(i, msgs, thinking, drop, effort) for i in range(len(msgs)))
+
+_CONTROL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _control_table(tokenizer):
+    """(added token -> id, a regex matching them (longest first) or None, every control id)."""
+    got = _CONTROL.get(tokenizer)
+    if got is None:
+        added = dict(tokenizer.added_tokens)
+        ctl = re.compile("|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))) if added else None
+        got = _CONTROL[tokenizer] = (added, ctl, set(added.values()) | set(tokenizer.special_ids.values()))
+    return got
+
+
+def tokenize_parts(parts: list[tuple[str, bool]], tokenizer) -> list[int]:
+    """Token ids of ``encode_chat_parts`` pieces with a ``cedlm.text.tokenizer.Tokenizer``.
+
+    The encoder's markup is matched against the tokenizer's added tokens (so ``<｜User｜>`` there is
+    its control token); message text never is: runs of text between control tokens are encoded
+    with ``tokenizer.encode_plain``. Without special-token strings in the messages the ids equal
+    ``tokenizer.encode(encode_chat(...))``."""
+    added, ctl, control_ids = _control_table(tokenizer)
+    ids: list[int] = []
+    run: list[str] = []
+
+    def flush() -> None:
+        if run:
+            got = tokenizer.encode_plain("".join(run))
+            if control_ids.intersection(got):   # the vocabulary can spell a control token: refuse
+                raise ValueError("messages: text in the messages encodes to a control token")
+            ids.extend(got)
+            run.clear()
+
+    for text, is_content in parts:
+        if is_content or ctl is None:
+            run.append(text)
+            continue
+        pos = 0
+        for mt in ctl.finditer(text):
+            run.append(text[pos:mt.start()])
+            flush()
+            ids.append(added[mt.group()])
+            pos = mt.end()
+        run.append(text[pos:])
+    flush()
+    return ids
+
+
+def encode_chat_ids(messages: list[dict], tokenizer, thinking_mode: str = "chat",
+                    reasoning_effort: str | int | None = None, drop_thinking: bool = True,
+                    tools: list[dict] | None = None, add_bos: bool = True) -> list[int]:
+    """``encode_chat`` tokenized so that only the encoder emits control tokens (``tokenize_parts``)."""
+    return tokenize_parts(encode_chat_parts(messages, thinking_mode, reasoning_effort, drop_thinking,
+                                            tools, add_bos), tokenizer)
 
 
 # ----------------------------------------------------------------------------- parsing responses
