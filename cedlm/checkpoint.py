@@ -84,7 +84,7 @@ def set_token_map(model: CEDModel, tokenizer) -> None:
     against `engram_compressed_vocab_size` (`ConfigError` naming both numbers; see
     `cedlm.text.engram_map`). Ids beyond the tokenizer's vocabulary keep the default map."""
     if not hasattr(model, "engram_token_map") or not model.cfg.engram_layer_ids:
-        return                                               # the twin / no Engram layers
+        return                                               # decoder-only baseline / no Engram layers
     ids = engram_token_map(model.cfg, tokenizer)
     model.engram_token_map[: len(ids)] = torch.tensor(ids, dtype=model.engram_token_map.dtype)
 

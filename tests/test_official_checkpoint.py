@@ -480,10 +480,10 @@ def test_cli_export_official(tmp_path, tok):
 
 
 def test_export_rejects_the_twin(tmp_path):
-    from cedlm.model import TwinModel
+    from cedlm.model import DecoderOnlyModel
     from cedlm.official import export_official
     with pytest.raises(ValueError, match="CED model"):
-        export_official(TwinModel(ModelConfig.preset("tiny").replace(arch="twin")), tmp_path / "x")
+        export_official(DecoderOnlyModel(ModelConfig.preset("tiny").replace(arch="decoder_only")), tmp_path / "x")
 
 
 # ============================================================================ layout vs reference

@@ -10,7 +10,7 @@ Per sequence at context C (C a multiple of 128, so no block is partly used):
   live: a 127-token prefill leaves r - 1 pending rows on every ratio-r source). The count is then
   checked on the real allocator: an Engine with that budget (less the compressor states, which
   the engine does not reserve) and max_num_seqs = S must hand out S x blocks blocks.
-* the BF16 twin: TwinState bytes per token (after a real prefill) x C; no windows.
+* the BF16 twin: DecoderOnlyState bytes per token (after a real prefill) x C; no windows.
 Cross-checks: SequenceState growth over a real 512-token prefill, and cedlm.plan.sequence_bytes
 (which also counts DSpark rings that cedlm does not build: subtracted).
 """

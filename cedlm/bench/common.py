@@ -92,11 +92,11 @@ class Ctx:
         return self._model("ced", lambda: _build_ced(small_config(), self.seed))
 
     def twin(self):
-        from cedlm.model.twin import TwinModel
+        from cedlm.model.decoder_only import DecoderOnlyModel
 
         def build():
             torch.manual_seed(self.seed)
-            return TwinModel(small_config()).eval()
+            return DecoderOnlyModel(small_config()).eval()
         return self._model("twin", build)
 
     def v4(self):
@@ -216,10 +216,10 @@ def synth_ced_state(model, context: int, seed: int = 0, margin: int = 64):
 
 
 def synth_twin_state(model, context: int, seed: int = 0, margin: int = 64):
-    """A TwinState of `context` tokens: BF16 K and V of every layer filled with N(0,1) values."""
-    from cedlm.model.twin import TwinState
+    """A DecoderOnlyState of `context` tokens: BF16 K and V of every layer filled with N(0,1) values."""
+    from cedlm.model.decoder_only import DecoderOnlyState
     g = torch.Generator().manual_seed(seed)
-    st = TwinState(model.cfg, capacity=context + margin)
+    st = DecoderOnlyState(model.cfg, capacity=context + margin)
     for l in range(model.cfg.n_layers):
         st.kv[l, :, :context] = torch.randn(2, context, model.cfg.head_dim, generator=g).to(torch.bfloat16)
     st.n = context

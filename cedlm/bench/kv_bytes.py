@@ -3,7 +3,7 @@
 From configs (cedlm.plan): DeepSeek LLM 67B (BF16 K+V), V3 (BF16 MLA latent), V3.2 (V3 with the
 656 B FP8 sparse layout), V4-Flash, V4.1-Flash. Measured on the runnable small presets: the
 engine's paged pool (bytes_per_block / block_tokens) and a SequenceState after a real prefill
-for CED-small and its V4-Flash-style twin, and TwinState.nbytes() / tokens for the decoder-only
+for CED-small and its V4-Flash-style twin, and DecoderOnlyState.nbytes() / tokens for the decoder-only
 BF16 twin. Every measured number must equal the planner's formula (asserted).
 """
 from __future__ import annotations
@@ -69,7 +69,7 @@ def run(ctx: Ctx) -> dict:
     ts = tw.new_state()
     tw.prefill(ids, ts)
     f_tw = 2 * tw.cfg.n_layers * tw.cfg.head_dim * 2
-    measured += [("decoder-only BF16 twin (small)", f"TwinState.nbytes() after a {T}-token prefill",
+    measured += [("decoder-only BF16 twin (small)", f"DecoderOnlyState.nbytes() after a {T}-token prefill",
                   ts.nbytes() / T, f_tw)]
     for model, how, got, formula in measured:
         assert got == formula, f"{model}: allocated {got} B/token != formula {formula} B/token ({how})"

@@ -1,6 +1,6 @@
 """Figure 3: prefill time of one long prompt, CED `bounded` and `exact` vs the decoder-only twin.
 
-Same width, depth, query path and MoE (the twin of cedlm.model.twin), random weights (timing
+Same width, depth, query path and MoE (the twin of cedlm.model.decoder_only), random weights (timing
 does not depend on values). CED prefills in chunks of 512 tokens (the engine's default
 `prefill_chunk`: its window attention is computed per chunk); the twin runs its prompt in one
 call through fused scaled-dot-product attention (its fastest path). Each mode starts from a fresh

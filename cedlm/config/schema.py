@@ -24,7 +24,7 @@ from cedlm.config.validate import ConfigError, validate as _validate
 # The official config.json files shipped with the package (`ModelConfig.preset` names them).
 CONFIG_DIR = Path(__file__).parent / "official"
 
-# Families: "ced" (V4.1 schema; runnable), "v4" (V4-Flash schema; runnable as a CSA/HCA twin),
+# Families: "ced" (V4.1 schema; runnable), "v4" (V4-Flash schema; runnable as a V4-style CSA/HCA baseline),
 # "mla" (V3; accounting only), "llama" (dense GQA; accounting only).
 RUNNABLE_FAMILIES = ("ced", "v4")
 
@@ -188,7 +188,9 @@ class ModelConfig:
     # A weightless per-head RMS norm of the queries: V4 applied one; vLLM's V4.1 and the PyPTO
     # port do not. Off by default to match V4.1; kept as an option.
     q_head_norm: bool = False
-    # Which stack to build from this config: the CED model, or its decoder-only twin (baseline).
+    # Which stack to build from this config: "ced" (the CED model) or "decoder_only" (the
+    # decoder-only baseline: full causal attention, per-layer BF16 KV, same width, depth and MoE).
+    # "twin", this field's old name for the baseline, is read as "decoder_only".
     arch: str = "ced"
     # Which Engram compressed-token map the weights were trained with (cedlm.text.engram_map):
     # "v41" (the official map; absent from a file means this) or "legacy-v0" (cedlm's first map,
@@ -203,6 +205,8 @@ class ModelConfig:
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        if self.arch == "twin":
+            self.arch = "decoder_only"
         self.validate()
 
     # ------------------------------------------------------------------ derived roles

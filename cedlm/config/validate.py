@@ -28,8 +28,8 @@ def validate(cfg: "ModelConfig") -> None:
     """Raise `ConfigError` naming the first invalid field of `cfg`."""
     if cfg.family not in ("ced", "v4", "mla", "llama"):
         raise ConfigError(f"family: unknown {cfg.family!r}")
-    if cfg.arch not in ("ced", "twin"):
-        raise ConfigError(f"arch: {cfg.arch!r} is not 'ced' or 'twin'")
+    if cfg.arch not in ("ced", "decoder_only"):
+        raise ConfigError(f"arch: {cfg.arch!r} is not 'ced' or 'decoder_only'")
     if cfg.family in ("mla", "llama"):
         return
     L = cfg.num_hidden_layers

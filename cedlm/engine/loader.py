@@ -30,13 +30,13 @@ def tokenizer_for_vocab(vocab_size: int):
 def load(model=None, tokenizer=None, seed: int = 0):
     m, tok = load_any(model, tokenizer, seed)
     if not isinstance(m, CEDModel):
-        raise ConfigError("model: the decoder-only twin (arch 'twin') is a benchmark baseline; "
+        raise ConfigError("model: the decoder-only baseline (arch 'decoder_only') is a benchmark baseline; "
                           "the engine serves CED models (arch 'ced')")
     return m, tok
 
 
 def load_any(model=None, tokenizer=None, seed: int = 0):
-    """As `load`, but any architecture: the decoder-only twin loads too (for comparisons)."""
+    """As `load`, but any architecture: the decoder-only baseline loads too (for comparisons)."""
     if isinstance(model, CEDModel):
         return model.eval(), tokenizer if tokenizer is not None else tokenizer_for_vocab(model.cfg.vocab_size)
     if model is None:

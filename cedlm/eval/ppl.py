@@ -24,7 +24,7 @@ DEFAULT_SEQ_LEN = 256
 
 def resolve_model(spec: str | Path | None):
     """--model value -> (model, tokenizer, name): a checkpoint or run directory, a preset, or
-    None for the shipped default model. The decoder-only twin loads too (for comparisons)."""
+    None for the shipped default model. The decoder-only baseline loads too (for comparisons)."""
     from cedlm.config.presets import PRESETS
     from cedlm.engine.loader import DEFAULT_MODEL, load_any
     if spec is not None and str(spec) not in PRESETS:

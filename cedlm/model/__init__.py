@@ -2,12 +2,12 @@
 from cedlm.model.model import CEDModel
 from cedlm.model.replay import PREFILL_MODES
 from cedlm.model.state import SequenceState
-from cedlm.model.twin import TwinModel
+from cedlm.model.decoder_only import DecoderOnlyModel
 
 
 def build_model(cfg):
-    """The stack a config asks for (`arch`): CEDModel or its decoder-only TwinModel."""
-    return TwinModel(cfg) if cfg.arch == "twin" else CEDModel(cfg)
+    """The stack a config asks for (`arch`): CEDModel or the decoder-only baseline."""
+    return DecoderOnlyModel(cfg) if cfg.arch == "decoder_only" else CEDModel(cfg)
 
 
-__all__ = ["CEDModel", "TwinModel", "SequenceState", "PREFILL_MODES", "build_model"]
+__all__ = ["CEDModel", "DecoderOnlyModel", "SequenceState", "PREFILL_MODES", "build_model"]

@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--preset", help=f"model preset (default {DEFAULTS['preset']})")
     a("--config", help="model config.json (official schema); overrides --preset")
-    a("--arch", choices=["ced", "twin"], help="ced (default) or its decoder-only twin (the baseline)")
+    a("--arch", choices=["ced", "decoder_only", "twin"],
+      help="ced (default) or decoder_only (the baseline: full attention, BF16 KV); twin = decoder_only")
     a("--tokenizer", help="tokenizer name or dir (default: the shipped 4096-vocab BPE)")
     a("--data", help="corpus dir with train.txt and val.txt (default data/corpus)")
     a("--cache-dir", help="token cache dir (default DATA/tokens)")
@@ -139,7 +140,7 @@ def sync_gradients(params: list[torch.Tensor], world: int) -> None:
 
 
 def moe_layers(model: torch.nn.Module) -> list[MoE]:
-    """The MoE feed-forward of every layer (CEDModel and TwinModel alike)."""
+    """The MoE feed-forward of every layer (CEDModel and DecoderOnlyModel alike)."""
     return [layer.ffn for layer in model.layers]
 
 

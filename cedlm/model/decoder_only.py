@@ -1,4 +1,4 @@
-"""The decoder-only twin: the baseline the CED model is measured against.
+"""The decoder-only baseline: the model the CED model is measured against.
 
 Same width, depth, query path and MoE as the CED config it is built from, but a conventional
 decoder-only stack: plain pre-norm residuals, every layer full causal attention over every
@@ -18,7 +18,7 @@ from cedlm.model.norm import RMSNorm
 from cedlm.model.rope import Rope
 
 
-class TwinState:
+class DecoderOnlyState:
     """BF16 K and V of every layer, grown by doubling: [L, 2, capacity, head_dim]."""
 
     def __init__(self, cfg: ModelConfig, capacity: int = 256):
@@ -49,7 +49,7 @@ class TwinAttention(nn.Module):
         self.wo = nn.Linear(H * hd, D, bias=False)
         self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta, None)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, state: TwinState | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, state: DecoderOnlyState | None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))).unflatten(-1, (self.H, self.hd))
         q = self.rope.apply(q, pos.unsqueeze(-1)).transpose(1, 2)               # [B, H, T, hd]
@@ -87,7 +87,7 @@ class TwinBlock(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
-class TwinModel(nn.Module):
+class DecoderOnlyModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -103,7 +103,7 @@ class TwinModel(nn.Module):
     def kv_bytes_per_token(self) -> int:
         return 2 * self.cfg.n_layers * self.cfg.head_dim * 2
 
-    def _run(self, ids: torch.Tensor, pos: torch.Tensor, state: TwinState | None) -> torch.Tensor:
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, state: DecoderOnlyState | None) -> torch.Tensor:
         x = self.embed(ids)
         for layer in self.layers:
             x = layer(x, pos, state)
@@ -113,11 +113,11 @@ class TwinModel(nn.Module):
         B, S = input_ids.shape
         return self._run(input_ids, torch.arange(S).expand(B, S), None)
 
-    def new_state(self) -> TwinState:
-        return TwinState(self.cfg)
+    def new_state(self) -> DecoderOnlyState:
+        return DecoderOnlyState(self.cfg)
 
     @torch.no_grad()
-    def prefill(self, input_ids, state: TwinState, mode: str = "full", chunk_size=None) -> torch.Tensor:
+    def prefill(self, input_ids, state: DecoderOnlyState, mode: str = "full", chunk_size=None) -> torch.Tensor:
         ids = torch.as_tensor(input_ids, dtype=torch.int64).flatten()[None]
         T = ids.shape[1]
         state.reserve(state.n + T)
@@ -126,11 +126,11 @@ class TwinModel(nn.Module):
         return out[0]
 
     @torch.no_grad()
-    def decode(self, input_ids, states: list[TwinState]) -> torch.Tensor:
+    def decode(self, input_ids, states: list[DecoderOnlyState]) -> torch.Tensor:
         outs = []
         for t, st in zip(torch.as_tensor(input_ids).flatten().tolist(), states):
             outs.append(self.prefill([t], st)[-1])
         return torch.stack(outs)
 
     def num_parameters(self, exclude_engram: bool = False) -> int:
-        return sum(p.numel() for p in self.parameters())      # no Engram in the twin
+        return sum(p.numel() for p in self.parameters())      # no Engram in the baseline

@@ -2,12 +2,12 @@
 import torch
 
 from cedlm import ModelConfig
-from cedlm.model.twin import TwinModel
+from cedlm.model.decoder_only import DecoderOnlyModel
 
 
 def test_twin_incremental_equals_full():
     torch.manual_seed(0)
-    m = TwinModel(ModelConfig.preset("tiny").replace(initializer_range=0.08)).eval()
+    m = DecoderOnlyModel(ModelConfig.preset("tiny").replace(initializer_range=0.08)).eval()
     ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
     full = m(ids[None])[0]
     st = m.new_state()
@@ -23,7 +23,7 @@ def test_twin_incremental_equals_full():
 
 def test_twin_shares_width_depth_and_moe():
     cfg = ModelConfig.preset("small")
-    m = TwinModel(cfg)
+    m = DecoderOnlyModel(cfg)
     assert len(m.layers) == cfg.n_layers and m.embed.weight.shape[1] == cfg.hidden_size
     assert len(m.layers[0].ffn.experts) == cfg.n_routed_experts
     training = m.train()
