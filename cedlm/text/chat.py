@@ -31,24 +31,9 @@ import re
 import weakref
 from typing import Any
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-SYSTEM = "<｜System｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
-LATEST_REMINDER = "<｜latest_reminder｜>"
-IMAGE_TOKEN = "<｜deepseek_image｜>"
-DSML = "｜DSML｜"
-TASK_TOKENS = {
-    "action": "<｜action｜>",
-    "query": "<｜query｜>",
-    "authority": "<｜authority｜>",
-    "domain": "<｜domain｜>",
-    "title": "<｜title｜>",
-    "read_url": "<｜read_url｜>",
-}
+from cedlm.text.special_tokens import (ASSISTANT, BOS, DSML, EOS, IMAGE_TOKEN,  # noqa: F401
+                                      LATEST_REMINDER, SYSTEM, TASK_TOKENS, THINK_END, THINK_START,
+                                      USER)
 
 EFFORT_LEVELS = {"low": 50, "high": 75, "xhigh": 75, "max": 100}
 DEFAULT_EFFORT = "high"

@@ -15,29 +15,8 @@ import json
 from pathlib import Path
 from typing import Iterable, Iterator
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-PAD = "<｜▁pad▁｜>"
-SPECIAL_TOKENS: list[str] = [
-    BOS,
-    EOS,
-    PAD,
-    "<｜User｜>",
-    "<｜Assistant｜>",
-    "<｜System｜>",
-    "<think>",
-    "</think>",
-    "<｜latest_reminder｜>",
-    "<｜action｜>",
-    "<｜query｜>",
-    "<｜authority｜>",
-    "<｜domain｜>",
-    "<｜title｜>",
-    "<｜read_url｜>",
-    "<｜deepseek_image｜>",
-    "<｜dspark_noise｜>",
-]
-KEEP_ON_SKIP = {"<think>", "</think>"}  # not skipped by decode(skip_special=True)
+from cedlm.text.special_tokens import BOS, EOS, KEEP_ON_SKIP, PAD, SPECIAL_TOKENS  # noqa: F401
+
 DEFAULT_VOCAB = 4096
 DEEPSEEK_DSPARK_NOISE_ID = 128799  # official config dspark_noise_token_id
 DEEPSEEK_IMAGE_ID = 129264  # official config image_token_id
