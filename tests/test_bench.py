@@ -72,7 +72,10 @@ def test_cheap_figures_quick(tmp_path):
         assert r["bytes_per_sequence"] == r["plan_bytes_per_sequence"]
         assert r["sequences"] * r["bytes_per_sequence"] <= cap["config"]["budget_bytes"]
         assert (r["sequences"] + 1) * r["bytes_per_sequence"] > cap["config"]["budget_bytes"]
-    assert set(cap["ratios"]) == {"4096", "32768"}
+    assert set(cap["ratios"]) == {"4096", "32768"} == set(cap["ratios_small40"])
+    # live allocations, official schedules at small width: the official planner's 4.0x and more
+    assert all(r["vs_v4_flash"] >= 3.9 for r in cap["ratios_small40"].values())
+    assert {"CED-small40", "V4-Flash-small40"} <= {r["model"] for r in cap["rows"]}
     fm = check_json(out, "formats")
     assert {r["format"] for r in fm["rows"]} == {"kv_fp4", "index_fp4", "window_fp8", "v4_fp8"}
     text = md.read_text()

@@ -102,6 +102,10 @@ class Ctx:
     def v4(self):
         return self._model("v4", lambda: _build_ced(v4_style_config(small_config()), self.seed))
 
+    def preset_model(self, name: str):
+        """A runnable preset with random weights (fixed seed)."""
+        return self._model(name, lambda: _build_ced(ModelConfig.preset(name), self.seed))
+
     def _model(self, key, build):
         if key not in self._models:
             self._models[key] = build()

@@ -64,9 +64,57 @@ def small() -> ModelConfig:
         dspark_num_experts_per_tok=2, image_token_id=None)
 
 
+def small40() -> ModelConfig:
+    """The official V4.1 layer schedule and KV geometry at small width: 40 layers (2 SWA, an
+    encoder of 3 CSA2 groups of 6, a decoder of 20 led by the global-KV source), the official
+    sources, candidate pool, Engram layers and DSpark taps, head_dim 512 / index_head_dim 128 /
+    window 128 (so its KV bytes per token, 890, and window rings are the official ones), hidden
+    size 256 and a small MoE. For capacity, prefill and decode figures that need the real
+    schedule; the 12-layer `small` stays the trained default."""
+    official = ModelConfig.preset("deepseek-v4.1-flash")
+    return _scaled(
+        vocab_size=4096, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=40,
+        num_attention_heads=4, head_dim=512, qk_rope_head_dim=64, q_lora_rank=128,
+        o_lora_rank=128, o_groups=2, rms_norm_eps=1e-6, n_routed_experts=8,
+        num_experts_per_tok=2, sliding_window=official.sliding_window,
+        compress_ratios=list(official.compress_ratios), kv_source_layer_ids=list(official.kv_source_layer_ids),
+        index_source_layer_ids=list(official.index_source_layer_ids),
+        index_n_heads=4, index_head_dim=official.index_head_dim, index_topk=64,
+        candidate_source_layer_id=official.candidate_source_layer_id, candidate_topk_blocks=32,
+        candidate_block_size=official.candidate_block_size, hc_mult=official.hc_mult,
+        engram_layer_ids=list(official.engram_layer_ids), engram_max_ngram_size=3,
+        engram_vocab_size=10007, engram_n_heads=4, engram_head_dim=32,
+        engram_compressed_vocab_size=4096, num_nextn_predict_layers=official.num_nextn_predict_layers,
+        dspark_block_size=official.dspark_block_size, dspark_noise_token_id=4095,
+        dspark_target_layer_ids=list(official.dspark_target_layer_ids), dspark_markov_rank=32,
+        dspark_n_routed_experts=8, dspark_num_experts_per_tok=2, image_token_id=None)
+
+
+# The width of `small40` (everything but the layer schedule and the KV geometry).
+_SMALL_WIDTH = dict(vocab_size=4096, hidden_size=256, moe_intermediate_size=128, num_attention_heads=4,
+                    q_lora_rank=128, o_lora_rank=128, o_groups=2, rms_norm_eps=1e-6, n_routed_experts=8,
+                    num_experts_per_tok=2, index_n_heads=4, index_topk=64, max_position_embeddings=65536)
+
+
+def small40_v4flash() -> ModelConfig:
+    """The V4-Flash counterpart of `small40`: DeepSeek-V4-Flash's official schedule and KV
+    geometry (43 layers: 2 SWA, then CSA ratio 4 with index keys and HCA ratio 128 alternating,
+    each compressed layer its own KV source, 584-byte v4_fp8 main-KV entries, window 128) at the
+    same small width as `small40`. Runnable as a V4-style stack (family "v4")."""
+    cfg = ModelConfig.preset("deepseek-v4-flash")
+    flat = dict(cfg.extra.get("flat", {}))
+    out = cfg.replace(**_SMALL_WIDTH)
+    if flat:
+        flat.update(_SMALL_WIDTH)
+        out.extra = {**cfg.extra, "flat": flat}
+    return out
+
+
 PRESETS = {
     "tiny": tiny,
     "small": small,
+    "small40": small40,
+    "small40-v4flash": small40_v4flash,
     "deepseek-v4.1-flash": _official("deepseek-v4.1-flash"),
     "deepseek-v4-flash": _official("deepseek-v4-flash"),
     "deepseek-v3": _official("deepseek-v3"),
