@@ -161,8 +161,10 @@ def _shards(sizes: dict[str, int], shard_bytes: int) -> list[list[str]]:
 
 
 def export_official(model: CEDModel, dst: str | Path, tokenizer=None, *,
-                    shard_bytes: int = DEFAULT_SHARD_BYTES, block: int = BLOCK) -> ExportReport:
-    """Write `model` (and `tokenizer`) to DST in the official layout; returns the report."""
+                    shard_bytes: int = DEFAULT_SHARD_BYTES, block: int = BLOCK,
+                    extra_files: dict[str, str] | None = None) -> ExportReport:
+    """Write `model` (and `tokenizer`) to DST in the official layout; returns the report.
+    `extra_files` ({name: text}, e.g. `cedlm.train.model_card.model_files`) are written with it."""
     if not isinstance(model, CEDModel) or model.cfg.family != "ced":
         raise ValueError("export: the official layout holds the V4.1 CED model "
                          f"(got {type(model).__name__}, family {model.cfg.family!r})")
@@ -198,6 +200,8 @@ def export_official(model: CEDModel, dst: str | Path, tokenizer=None, *,
         (tmp / "config.json").write_text(json.dumps(official_config(model.cfg, block), indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save(tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
         mask = os.umask(0)
         os.umask(mask)
         for f in tmp.iterdir():

@@ -8,7 +8,11 @@ experts / FP8 Engram tables, sharded safetensors with an index, `quantization_co
 `cedlm.official.export`), which the serving engines for V4.1 read and `load_model` reads back.
 
 BF16 is the official checkpoint's dtype for these tensors; the loader upcasts to fp32. Training
-state (optimizer, RNG) is left behind; `training_args.json` and a summary of the run are kept.
+state (optimizer, RNG) is left behind; `training_args.json` and a summary of the run are kept
+(`summary.json`: the `summary` argument, else the one in the checkpoint or run directory).
+Both formats also get the HF-style text files, generated from that metadata
+(`cedlm.train.model_card`): `generation_config.json`, the model card `README.md`, and the
+tokenizer's `tokenizer_config.json` with its chat template.
 """
 from __future__ import annotations
 
@@ -23,12 +27,26 @@ import torch
 from safetensors.torch import save_file
 
 from cedlm.checkpoint import load_model, resolve_checkpoint
+from cedlm.train.model_card import model_files, write_model_files
+
+
+def run_metadata(ckpt: Path, summary: dict | None = None) -> tuple[dict | None, dict | None]:
+    """(summary, training_args) of a checkpoint: `summary` if given, else summary.json in the
+    checkpoint directory or the run directory above it."""
+    if summary is None:
+        for d in (ckpt, ckpt.parent):
+            if (d / "summary.json").exists():
+                summary = json.loads((d / "summary.json").read_text("utf-8"))
+                break
+    args = ckpt / "training_args.json"
+    return summary, (json.loads(args.read_text("utf-8")) if args.exists() else None)
 
 
 def export_model(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16,
                  summary: dict | None = None) -> Path:
     ckpt = resolve_checkpoint(src)
     model, tok = load_model(ckpt)
+    summary, training_args = run_metadata(ckpt, summary)
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.tmp-"))
@@ -42,6 +60,7 @@ def export_model(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bf
             shutil.copy(ckpt / "training_args.json", tmp / "training_args.json")
         if summary:
             (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_model_files(tmp, model.cfg, tok, summary, training_args, weights="bf16")
         tmp.chmod(0o755)
         if dst.exists():
             shutil.rmtree(dst)
@@ -79,8 +98,15 @@ def run(args) -> int:
     if args.format == "official":
         from cedlm.official import export_official
         from cedlm.official.export import DEFAULT_SHARD_BYTES
-        model, tok = load_model(resolve_checkpoint(args.src))
-        rep = export_official(model, args.dst, tok, shard_bytes=args.shard_size or DEFAULT_SHARD_BYTES)
+        ckpt = resolve_checkpoint(args.src)
+        model, tok = load_model(ckpt)
+        summary, training_args = run_metadata(ckpt)
+        extra = model_files(model.cfg, tok, summary, training_args, weights="official")
+        for name, meta in (("training_args.json", training_args), ("summary.json", summary)):
+            if meta:
+                extra[name] = json.dumps(meta, indent=2) + "\n"
+        rep = export_official(model, args.dst, tok, shard_bytes=args.shard_size or DEFAULT_SHARD_BYTES,
+                              extra_files=extra)
         print(rep.summary())
     else:
         print(export_model(args.src, args.dst))
