@@ -1,4 +1,4 @@
-"""The three byte-exact KV entry formats of DeepSeek-V4.1 (see reference/kv-layouts.md).
+"""The three byte-exact KV entry formats of DeepSeek-V4.1 (FlashMLA's V4.1 cache layouts).
 
 | name         | elements                      | scales                     | 512/128 dims |
 |--------------|-------------------------------|----------------------------|--------------|
@@ -24,6 +24,11 @@ Scale rules, per tile of ``block`` dims with amax = max |x|:
   amax >= 0.0448 and differ only for tiny tiles (reference s = 2^-22, FlashMLA test s = 2^-13).
 * UE8M0 formats: a NaN OR an inf in the tile gives scale byte 255 (NaN); the bit-exact ceil rule
   maps both to 255, so an inf poisons the tile like a NaN (decodes to all-NaN).
+
+The codecs below (``encode_reference``, ``decode_reference``, ``quant_dequant_reference``) are the
+readable definition and the oracle; the public ``encode`` / ``decode`` / ``quant_dequant`` run the
+bit-identical fast codecs of ``fast.py`` unless ``CEDLM_REFERENCE_KERNELS=1`` (read once, in
+``fast.py``) or ``fast.set_reference_kernels(True)`` forces these.
 
 Elements are quantized from t = x/s in float32. In a NaN-scale ("poisoned") tile t is NaN; E2M1
 then stores code 0 with the sign of x, E4M3 stores NaN (0x7F on x86 and CUDA, where x/NaN yields
@@ -53,7 +58,8 @@ from .numerics import (
 )
 
 __all__ = ["QuantFormat", "FORMATS", "V4Fp8Format", "V4_FP8", "EXTRA_FORMATS", "get_format",
-           "bytes_per_entry", "encode", "decode", "quant_dequant"]
+           "bytes_per_entry", "encode", "decode", "quant_dequant", "encode_reference",
+           "decode_reference", "quant_dequant_reference"]
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,8 @@ _WINDOW_AMAX_FLOOR = 1e-4                    # compared in float32 (torch casts 
 
 
 # ---------------------------------------------------------------------------------------------
-# v4_fp8: DeepSeek V4 "MODEL1" FP8 sparse entry (kv-layouts.md section 2), the V4-Flash main KV
+# v4_fp8: DeepSeek V4 "MODEL1" FP8 sparse entry (584 B: 448 E4M3 NoPE, 64 BF16 RoPE, 7 UE8M0
+# scales, 1 pad byte), the V4-Flash main KV
 # ---------------------------------------------------------------------------------------------
 
 
@@ -169,7 +176,11 @@ def _v4_split(x: torch.Tensor, f: V4Fp8Format):
 
 
 def _v4_scale_bytes(xt: torch.Tensor) -> torch.Tensor:
-    amax = xt.abs().amax(dim=-1)                         # NaN propagates
+    return _v4_scale_bytes_from_amax(xt.abs().amax(dim=-1))     # NaN propagates
+
+
+def _v4_scale_bytes_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """float32 tile amax [...] -> uint8 UE8M0 scale bytes [...] (shared with the fast path)."""
     y = amax / E4M3_MAX
     return ue8m0_ceil(torch.where(y < _V4_FLOOR, torch.full_like(y, _V4_FLOOR), y))
 
@@ -231,7 +242,15 @@ def _tiles(x: torch.Tensor, f: QuantFormat) -> torch.Tensor:
 
 def _scale_bytes(xt: torch.Tensor, f: QuantFormat) -> torch.Tensor:
     """float32 tiles [..., T, block] -> uint8 scale bytes [..., T]."""
-    amax = xt.abs().amax(dim=-1)  # NaN propagates
+    return _scale_bytes_from_amax(xt.abs().amax(dim=-1), f)  # NaN propagates
+
+
+def _scale_bytes_from_amax(amax: torch.Tensor, f: QuantFormat) -> torch.Tensor:
+    """float32 tile amax = max |x| [..., T] (NaN if the tile has one) -> uint8 scale bytes [..., T].
+
+    The scale rules of the module docstring; the fast path (``fast.py``) calls this too, so the two
+    paths share one definition of the scales. May modify ``amax`` in place.
+    """
     if f.name == "kv_fp4":
         y = (amax / 6.0).clamp_(_FP4_MIN_SCALE, E4M3_MAX)
         sb = e4m3_encode(y)
@@ -242,7 +261,7 @@ def _scale_bytes(xt: torch.Tensor, f: QuantFormat) -> torch.Tensor:
     if f.name == "window_fp8":
         # Multiply by fp32(1/448) as the reference kernel does. (Checked exhaustively over a
         # binade: the ceil never differs from that of the correctly rounded amax/448.)
-        inv448 = torch.tensor(1.0 / 448.0, dtype=torch.float32, device=xt.device)
+        inv448 = torch.tensor(1.0 / 448.0, dtype=torch.float32, device=amax.device)
         return ue8m0_ceil(amax.clamp_min_(_WINDOW_AMAX_FLOOR) * inv448)
     raise AssertionError(f.name)
 
@@ -254,11 +273,59 @@ def _scale_values(sb: torch.Tensor, f: QuantFormat) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# encode / decode / quant_dequant
+# encode / decode / quant_dequant: public entry points (fast path unless the reference is forced)
 # ---------------------------------------------------------------------------------------------
 
 def encode(x: torch.Tensor, fmt: str | QuantFormat) -> torch.Tensor:
-    """float [..., dim] -> uint8 [..., bytes_per_entry(fmt, dim)], layout [elements][scales]."""
+    """float [..., dim] -> uint8 [..., bytes_per_entry(fmt, dim)], layout [elements][scales].
+
+    Runs the fast codec (``fast.py``), bit-identical to ``encode_reference``; with
+    ``CEDLM_REFERENCE_KERNELS=1`` (or ``fast.set_reference_kernels(True)``) the reference runs.
+    """
+    f = get_format(fmt)
+    if _fast.reference_kernels():
+        return encode_reference(x, f)
+    return _fast.encode(x, f)
+
+
+def decode(b: torch.Tensor, fmt: str | QuantFormat, dim: int) -> torch.Tensor:
+    """uint8 [..., bytes_per_entry(fmt, dim)] -> float32 [..., dim] (fast path, as ``encode``)."""
+    f = get_format(fmt)
+    _check_bytes(b, f, dim)
+    if _fast.reference_kernels():
+        return decode_reference(b, f, dim)
+    return _fast.decode(b, f, dim)
+
+
+def quant_dequant(x: torch.Tensor, fmt: str | QuantFormat | None) -> torch.Tensor:
+    """Bitwise equal to ``decode(encode(x, fmt), fmt, dim)`` (float32), without packing bytes.
+
+    ``fmt`` None or "none" is the identity (returns ``x`` unchanged, any dtype). Fast path as
+    ``encode``.
+    """
+    if fmt is None or fmt == "none":
+        return x
+    f = get_format(fmt)
+    if _fast.reference_kernels():
+        return quant_dequant_reference(x, f)
+    return _fast.quant_dequant(x, f)
+
+
+def _check_bytes(b: torch.Tensor, f: QuantFormat | V4Fp8Format, dim: int) -> None:
+    nbytes = f.bytes_per_entry(dim)
+    if b.dtype != torch.uint8:
+        raise ValueError(f"{f.name}: decode expects torch.uint8 bytes, got {b.dtype}")
+    if b.dim() == 0 or b.shape[-1] != nbytes:
+        raise ValueError(f"{f.name}: an entry of dim {dim} has {nbytes} bytes, got shape "
+                         f"{tuple(b.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the readable reference codecs: the documentation of the rules and the oracle of the fast path
+# ---------------------------------------------------------------------------------------------
+
+def encode_reference(x: torch.Tensor, fmt: str | QuantFormat) -> torch.Tensor:
+    """Reference ``encode`` (whole-tensor elementwise torch, the rules as written above)."""
     f = get_format(fmt)
     if isinstance(f, V4Fp8Format):
         return _v4_encode(x, f)
@@ -273,15 +340,10 @@ def encode(x: torch.Tensor, fmt: str | QuantFormat) -> torch.Tensor:
     return torch.cat((data, sb), dim=-1)
 
 
-def decode(b: torch.Tensor, fmt: str | QuantFormat, dim: int) -> torch.Tensor:
-    """uint8 [..., bytes_per_entry(fmt, dim)] -> float32 [..., dim]."""
+def decode_reference(b: torch.Tensor, fmt: str | QuantFormat, dim: int) -> torch.Tensor:
+    """Reference ``decode``."""
     f = get_format(fmt)
-    nbytes = f.bytes_per_entry(dim)
-    if b.dtype != torch.uint8:
-        raise ValueError(f"{f.name}: decode expects torch.uint8 bytes, got {b.dtype}")
-    if b.dim() == 0 or b.shape[-1] != nbytes:
-        raise ValueError(f"{f.name}: an entry of dim {dim} has {nbytes} bytes, got shape "
-                         f"{tuple(b.shape)}")
+    _check_bytes(b, f, dim)
     if isinstance(f, V4Fp8Format):
         return _v4_decode(b, f, dim)
     nd = f.data_bytes(dim)
@@ -295,11 +357,8 @@ def decode(b: torch.Tensor, fmt: str | QuantFormat, dim: int) -> torch.Tensor:
     return q.mul_(_scale_values(sb, f)).reshape(*lead, dim)
 
 
-def quant_dequant(x: torch.Tensor, fmt: str | QuantFormat | None) -> torch.Tensor:
-    """Bitwise equal to ``decode(encode(x, fmt), fmt, dim)`` (float32), without packing bytes.
-
-    ``fmt`` None or "none" is the identity (returns ``x`` unchanged, any dtype).
-    """
+def quant_dequant_reference(x: torch.Tensor, fmt: str | QuantFormat | None) -> torch.Tensor:
+    """Reference ``quant_dequant``."""
     if fmt is None or fmt == "none":
         return x
     f = get_format(fmt)
@@ -313,3 +372,7 @@ def quant_dequant(x: torch.Tensor, fmt: str | QuantFormat | None) -> torch.Tenso
     else:
         q = e4m3_round(t, inplace=True)
     return q.mul_(s).reshape(x.shape)
+
+
+# The fast codecs import this module's helpers (scale rules, format classes), so they come last.
+from . import fast as _fast  # noqa: E402

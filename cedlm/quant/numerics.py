@@ -2,7 +2,7 @@
 
 All functions are elementwise, vectorised pure torch, and take/return float32 values or uint8 codes
 (one code per byte; packing two E2M1 codes into a byte lives in ``pack_nibbles``). The rounding
-rules are those of ``reference/kv-layouts.md``:
+rules are those of FlashMLA's V4.1 cache quantizers:
 
 * E2M1 (s1 e2 m1): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 by 3-bit code, bit 3 = sign.
   Round to nearest, ties to EVEN code, saturate at +-6 (PTX ``cvt.rn.satfinite.e2m1x2.f32``),

@@ -1,0 +1,302 @@
+// Compiled KV codecs for cedlm.quant (kv_fp4, index_fp4, window_fp8): one pass over the data,
+// bit-identical to the reference in cedlm/quant/formats.py + numerics.py.
+//
+// Built ahead of time by `python -m cedlm.quant.ext build` (./setup.sh runs it) through
+// torch.utils.cpp_extension; loaded by cedlm/quant/ext.py. When the build is missing or stale,
+// cedlm/quant/fast.py logs one line and runs its vectorised torch path instead.
+//
+// How it stays identical to the reference:
+// * every element mapping is a table computed FROM the reference in fast.py and passed in once
+//   (set_tables): the E2M1 code and the E4M3 byte of each round-to-odd class of float32 bits
+//   (see fast.py: every RNE decision boundary, the saturation point and the NaN/inf patterns
+//   are exact class points, so the reference result is constant on each class), the value of
+//   each E2M1 class, the two E2M1 values of each packed byte, the E4M3 and UE8M0 value of each
+//   byte;
+// * the scale rules are the reference's float32 operations in the same order (no -ffast-math,
+//   no FP contraction); the UE8M0 ceil is the same bit arithmetic; E4M3 scales (kv_fp4) use
+//   c10::Float8_e4m3fn, the conversion behind torch's float32 -> float8_e4m3fn cast;
+// * t = x / s: a true division for E4M3 scales; for UE8M0 scales s = 2^k (|k| <= 126 here) so
+//   x * (1/s) is the same correctly rounded number, and NaN scales always divide;
+// * a tile's amax is the max of |x| as float32 bit patterns: the float order for non-NaN values,
+//   and above 0x7F800000 exactly when the tile holds a NaN (the reference's amax is then NaN);
+// * NaN * NaN returns the NaN the reference's mul_ returns (probed by fast.py, see mul_q_s).
+//
+// Speed: the amax and the class index of a tile use SSE2 (baseline on x86-64, so no -march and
+// no dispatch; -DCEDLM_CODECS_SCALAR or another CPU gives the equivalent scalar loops), the
+// table look-ups are scalar, rows are split over torch's intra-op threads.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#if defined(__SSE2__) && !defined(CEDLM_CODECS_SCALAR)
+#include <emmintrin.h>     // baseline on x86-64: no dispatch, no -march needed
+#endif
+
+namespace {
+
+enum Kind : int64_t { KV_FP4 = 0, INDEX_FP4 = 1, WINDOW_FP8 = 2 };
+constexpr int64_t MAX_BLOCK = 256;
+
+struct Tables {
+  at::Tensor keep[6];               // the tensors behind the pointers, kept alive
+  const uint8_t* e2m1_code = nullptr;   // [4096]  E2M1 class -> code (sign in bit 3)
+  const float* e2m1_value = nullptr;    // [4096]  E2M1 class -> value (signed)
+  const int64_t* e2m1_pair = nullptr;   // [256]   packed byte -> (low, high) values as 2 floats
+  const uint8_t* e4m3_code = nullptr;   // [16384] E4M3 class -> byte (after the clamp to 448)
+  const float* e4m3 = nullptr;          // [256]   byte -> value
+  const float* ue8m0 = nullptr;         // [256]   byte -> value
+  bool nan_s_wins = true;
+};
+Tables T;
+
+inline uint32_t bits_of(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
+inline float float_of(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+
+inline uint8_t ue8m0_ceil(float y) {       // numerics.ue8m0_ceil
+  const uint32_t b = bits_of(y);
+  const uint32_t v = ((b >> 23) & 0xFFu) + ((b & 0x7FFFFFu) != 0u);
+  return static_cast<uint8_t>(v > 255u ? 255u : v);
+}
+
+inline float clamp_nan(float v, float lo, float hi) {   // torch.clamp: NaN passes through
+  if (std::isnan(v)) return v;
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+
+// formats._scale_bytes_from_amax
+inline uint8_t scale_byte(int64_t kind, float amax) {
+  if (kind == KV_FP4) {
+    if (std::isnan(amax)) return 0x7F;
+    const float y = clamp_nan(amax / 6.0f, 0.001953125f /* 2^-9 */, 448.0f);
+    return c10::Float8_e4m3fn(clamp_nan(y, -448.0f, 448.0f)).x;     // numerics.e4m3_encode
+  }
+  const float a = amax;
+  if (kind == INDEX_FP4) {
+    const float fl = 6.0f * 1.1754943508222875e-38f;                 // 6 * 2^-126, exact
+    return ue8m0_ceil((std::isnan(a) || a >= fl ? a : fl) / 6.0f);
+  }
+  const float fl = 1e-4f;                                            // WINDOW_FP8
+  const float inv448 = static_cast<float>(1.0 / 448.0);
+  return ue8m0_ceil((std::isnan(a) || a >= fl ? a : fl) * inv448);
+}
+
+inline float scale_value(int64_t kind, uint8_t sb) {
+  return kind == KV_FP4 ? T.e4m3[sb] : T.ue8m0[sb];
+}
+
+// q * s where both may be NaN (E4M3 element 0x7F/0xFF under a NaN scale): which payload
+// torch's mul_ keeps depends on how torch was compiled, so fast.py probes the reference once and
+// passes the answer to set_tables. Written out so that no operand order chosen by this compiler
+// can change the NaN bits. (With one NaN operand the result is that NaN, quieted, either way.)
+inline float mul_q_s(float q, float s) {
+  if (std::isnan(q) && std::isnan(s)) return T.nan_s_wins ? s : q;
+  return q * s;
+}
+
+inline float tile_amax(const float* x, int64_t n) {
+  uint32_t m = 0;
+  int64_t j = 0;
+#if defined(__SSE2__) && !defined(CEDLM_CODECS_SCALAR)
+  // |x| bits are < 2^31, so the signed 32-bit compare orders them like the unsigned one
+  const __m128i absmask = _mm_set1_epi32(0x7FFFFFFF);
+  __m128i mx = _mm_setzero_si128();
+  for (; j + 4 <= n; j += 4) {
+    const __m128i v =
+        _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + j)), absmask);
+    const __m128i gt = _mm_cmpgt_epi32(v, mx);
+    mx = _mm_or_si128(_mm_and_si128(gt, v), _mm_andnot_si128(gt, mx));
+  }
+  alignas(16) uint32_t lanes[4];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), mx);
+  for (uint32_t l : lanes) m = l > m ? l : m;
+#endif
+  for (; j < n; ++j) {
+    const uint32_t b = bits_of(x[j]) & 0x7FFFFFFFu;
+    m = b > m ? b : m;
+  }
+  return m > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN() : float_of(m);
+}
+
+// cls[j] = the round-to-odd class (SHIFT 20: E2M1, 3 mantissa bits kept; SHIFT 18: E4M3, 5 kept)
+// of t = x[j] / s: a true division for E4M3 scales (kv_fp4) and for NaN scales, else
+// x * (1/s) (s = 2^k: the same correctly rounded number, see the header).
+template <int SHIFT>
+inline void classes(const float* x, uint32_t* cls, int64_t n, int64_t kind, float s) {
+  constexpr uint32_t low = (1u << SHIFT) - 1u, top = (1u << (32 - SHIFT)) - 1u;
+  const bool recip = kind != KV_FP4 && !std::isnan(s);
+  const float r = recip ? 1.0f / s : s;
+  int64_t j = 0;
+#if defined(__SSE2__) && !defined(CEDLM_CODECS_SCALAR)
+  const __m128 vr = _mm_set1_ps(r);
+  const __m128i vlow = _mm_set1_epi32(static_cast<int>(low));
+  const __m128i vtop = _mm_set1_epi32(static_cast<int>(top));
+  for (; j + 4 <= n; j += 4) {
+    const __m128 xv = _mm_loadu_ps(x + j);
+    const __m128i b = _mm_castps_si128(recip ? _mm_mul_ps(xv, vr) : _mm_div_ps(xv, vr));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(b, SHIFT), vtop);
+    // sticky: (b & low) + low carries into bit SHIFT exactly when a low bit is set
+    const __m128i sticky = _mm_srli_epi32(_mm_add_epi32(_mm_and_si128(b, vlow), vlow), SHIFT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(cls + j), _mm_or_si128(hi, sticky));
+  }
+#endif
+  for (; j < n; ++j) {
+    const uint32_t b = bits_of(recip ? x[j] * r : x[j] / r);
+    cls[j] = ((b >> SHIFT) & top) | ((b & low) != 0u);
+  }
+}
+
+void check_tables() {
+  TORCH_CHECK(T.e2m1_code != nullptr, "cedlm codec extension: set_tables() was not called");
+}
+
+void check_input(const at::Tensor& x, int64_t block) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
+              "cedlm codec extension: expected a contiguous float32 CPU matrix");
+  TORCH_CHECK(block > 0 && block <= MAX_BLOCK && block % 2 == 0 && x.size(1) % block == 0,
+              "cedlm codec extension: bad block");
+}
+
+int64_t grain(int64_t dim) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(dim, 1)); }
+
+}  // namespace
+
+void set_tables(at::Tensor e2m1_code, at::Tensor e2m1_value, at::Tensor e2m1_pair,
+                at::Tensor e4m3_code, at::Tensor e4m3, at::Tensor ue8m0, bool nan_s_wins) {
+  auto ok = [](const at::Tensor& t, at::ScalarType dt, int64_t n) {
+    return t.scalar_type() == dt && t.numel() == n && t.is_contiguous() && t.device().is_cpu();
+  };
+  TORCH_CHECK(ok(e2m1_code, at::kByte, 4096) && ok(e2m1_value, at::kFloat, 4096) &&
+              ok(e2m1_pair, at::kLong, 256) && ok(e4m3_code, at::kByte, 16384) &&
+              ok(e4m3, at::kFloat, 256) && ok(ue8m0, at::kFloat, 256),
+              "cedlm codec extension: bad tables");
+  T.keep[0] = e2m1_code; T.keep[1] = e2m1_value; T.keep[2] = e2m1_pair;
+  T.keep[3] = e4m3_code; T.keep[4] = e4m3; T.keep[5] = ue8m0;
+  T.e2m1_code = e2m1_code.data_ptr<uint8_t>();
+  T.e2m1_value = e2m1_value.data_ptr<float>();
+  T.e2m1_pair = e2m1_pair.data_ptr<int64_t>();
+  T.e4m3_code = e4m3_code.data_ptr<uint8_t>();
+  T.e4m3 = e4m3.data_ptr<float>();
+  T.ue8m0 = ue8m0.data_ptr<float>();
+  T.nan_s_wins = nan_s_wins;
+}
+
+// x: float32 [rows, dim] contiguous -> uint8 [rows, data + dim/block]
+at::Tensor encode(at::Tensor x, int64_t kind, int64_t block) {
+  check_tables();
+  check_input(x, block);
+  const int64_t rows = x.size(0), dim = x.size(1), tiles = dim / block;
+  const bool fp4 = kind != WINDOW_FP8;
+  const int64_t nd = fp4 ? dim / 2 : dim, nbytes = nd + tiles;
+  at::Tensor out = at::empty({rows, nbytes}, x.options().dtype(at::kByte));
+  const float* X = x.data_ptr<float>();
+  uint8_t* O = out.data_ptr<uint8_t>();
+  at::parallel_for(0, rows, grain(dim), [&](int64_t r0, int64_t r1) {
+    alignas(16) uint32_t cls[MAX_BLOCK];
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = X + r * dim;
+      uint8_t* orow = O + r * nbytes;
+      for (int64_t k = 0; k < tiles; ++k) {
+        const float* xt = xr + k * block;
+        const uint8_t sb = scale_byte(kind, tile_amax(xt, block));
+        const float s = scale_value(kind, sb);
+        orow[nd + k] = sb;
+        if (fp4) {
+          uint8_t* o = orow + k * (block / 2);
+          if (std::isnan(s)) {     // poisoned tile: code 0 with the sign of x (the reference)
+            for (int64_t j = 0; j < block; j += 2)
+              o[j / 2] = static_cast<uint8_t>((std::signbit(xt[j]) ? 0x08 : 0) |
+                                              (std::signbit(xt[j + 1]) ? 0x80 : 0));
+            continue;
+          }
+          classes<20>(xt, cls, block, kind, s);
+          for (int64_t j = 0; j < block; j += 2)
+            o[j / 2] = static_cast<uint8_t>(T.e2m1_code[cls[j]] | (T.e2m1_code[cls[j + 1]] << 4));
+        } else {
+          uint8_t* o = orow + k * block;
+          classes<18>(xt, cls, block, kind, s);
+          for (int64_t j = 0; j < block; ++j) o[j] = T.e4m3_code[cls[j]];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// b: uint8 [rows, nbytes] (rows may be strided, bytes contiguous) -> float32 [rows, dim]
+at::Tensor decode(at::Tensor b, int64_t kind, int64_t dim, int64_t block) {
+  check_tables();
+  TORCH_CHECK(b.dtype() == at::kByte && b.dim() == 2 && b.stride(1) == 1 && b.device().is_cpu(),
+              "cedlm codec extension: expected uint8 CPU rows with contiguous bytes");
+  TORCH_CHECK(block > 0 && block <= MAX_BLOCK && block % 2 == 0 && dim % block == 0);
+  const int64_t rows = b.size(0), tiles = dim / block;
+  const bool fp4 = kind != WINDOW_FP8;
+  const int64_t nd = fp4 ? dim / 2 : dim;
+  TORCH_CHECK(b.size(1) == nd + tiles, "cedlm codec extension: bad entry size");
+  at::Tensor out = at::empty({rows, dim}, b.options().dtype(at::kFloat));
+  const uint8_t* B = b.data_ptr<uint8_t>();
+  const int64_t rs = b.stride(0);
+  float* O = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain(dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* br = B + r * rs;
+      float* orow = O + r * dim;
+      for (int64_t k = 0; k < tiles; ++k) {
+        const float s = scale_value(kind, br[nd + k]);
+        float* o = orow + k * block;
+        if (fp4) {
+          const uint8_t* d = br + k * (block / 2);
+          int64_t* o64 = reinterpret_cast<int64_t*>(o);
+          for (int64_t j = 0; j < block / 2; ++j) o64[j] = T.e2m1_pair[d[j]];
+          for (int64_t j = 0; j < block; ++j) o[j] = o[j] * s;   // E2M1 values are never NaN
+        } else {
+          const uint8_t* d = br + k * block;
+          for (int64_t j = 0; j < block; ++j) o[j] = mul_q_s(T.e4m3[d[j]], s);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// x: float32 [rows, dim] contiguous -> float32 [rows, dim] == decode(encode(x))
+at::Tensor quant_dequant(at::Tensor x, int64_t kind, int64_t block) {
+  check_tables();
+  check_input(x, block);
+  const int64_t rows = x.size(0), dim = x.size(1), tiles = dim / block;
+  at::Tensor out = at::empty({rows, dim}, x.options());
+  const float* X = x.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain(dim), [&](int64_t r0, int64_t r1) {
+    alignas(16) uint32_t cls[MAX_BLOCK];
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t k = 0; k < tiles; ++k) {
+        const float* xt = X + r * dim + k * block;
+        float* o = O + r * dim + k * block;
+        const float s = scale_value(kind, scale_byte(kind, tile_amax(xt, block)));
+        if (kind != WINDOW_FP8) {
+          // a poisoned tile: +-0 times the NaN s is s's NaN, as on the reference path
+          classes<20>(xt, cls, block, kind, s);
+          for (int64_t j = 0; j < block; ++j) o[j] = T.e2m1_value[cls[j]] * s;
+        } else {
+          classes<18>(xt, cls, block, kind, s);
+          for (int64_t j = 0; j < block; ++j) o[j] = mul_q_s(T.e4m3[T.e4m3_code[cls[j]]], s);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+int64_t abi_version() { return 2; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_tables", &set_tables);
+  m.def("encode", &encode);
+  m.def("decode", &decode);
+  m.def("quant_dequant", &quant_dequant);
+  m.def("abi_version", &abi_version);
+}
