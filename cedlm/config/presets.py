@@ -23,6 +23,7 @@ def _scaled(**kw) -> ModelConfig:
     kw.setdefault("rope_scaling", {"rope_type": "yarn", "factor": 16, "beta_fast": 32,
                                    "beta_slow": 1, "original_max_position_embeddings": 4096})
     kw.setdefault("max_position_embeddings", 65536)
+    kw.setdefault("rope_precision", "float64")          # cedlm's own models
     return ModelConfig(**kw)
 
 

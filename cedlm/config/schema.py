@@ -196,6 +196,10 @@ class ModelConfig:
     # "v41" (the official map; absent from a file means this) or "legacy-v0" (cedlm's first map,
     # kept only for checkpoints that say so, e.g. the shipped default model).
     engram_token_map: str = "v41"
+    # dtype of the RoPE frequencies and angles: "float32" as the published V4.1 inference code
+    # computes them (the default, so official configs get it), "float64" for cedlm's own models
+    # (exact angles at any position; the presets and the shipped model were trained with it).
+    rope_precision: str = "float32"
     kv_lora_rank: int = 0                 # mla family only
     intermediate_size: int = 0            # llama / dense MLP (accounting)
     first_k_dense_replace: int = 0        # mla family only
@@ -291,7 +295,7 @@ class ModelConfig:
     # ------------------------------------------------------------------ (de)serialisation
     _TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id")
     _CEDLM = ("family", "main_kv_format", "index_kv_format", "window_kv_format", "q_head_norm", "arch",
-              "engram_token_map")
+              "engram_token_map", "rope_precision")
 
     @classmethod
     def _field_names(cls) -> set[str]:

@@ -126,6 +126,8 @@ def validate(cfg: "ModelConfig") -> None:
          "dspark_target_layer_ids", f"must be strictly increasing, got {cfg.dspark_target_layer_ids}")
     need(all(0 <= i < L for i in cfg.dspark_target_layer_ids), "dspark_target_layer_ids",
          f"ids must be in [0, {L}), got {cfg.dspark_target_layer_ids}")
+    need(cfg.rope_precision in ("float32", "float64"), "rope_precision",
+         f"{cfg.rope_precision!r} is not 'float32' or 'float64'")
     need(cfg.engram_token_map in ENGRAM_TOKEN_MAPS, "engram_token_map",
          f"unknown {cfg.engram_token_map!r} (expected one of {ENGRAM_TOKEN_MAPS})")
     # Byte formats: every quantized dim must be a multiple of its scale block.

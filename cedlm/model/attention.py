@@ -77,7 +77,8 @@ class Attention(nn.Module):
         if layer_id in cfg.index_source_layer_ids:
             self.indexer = Indexer(cfg, layer_id)
         self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta_of(layer_id),
-                         cfg.rope_scaling if cfg.uses_yarn(layer_id) else None)
+                         cfg.rope_scaling if cfg.uses_yarn(layer_id) else None,
+                         cfg.rope_precision)
 
     # ---------------------------------------------------------------- KV production
     def window_rows(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

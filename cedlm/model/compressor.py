@@ -26,7 +26,8 @@ class Compressor(nn.Module):
         self.layer_id, self.ratio, self.fmt = layer_id, cfg.compress_ratios[layer_id], cfg.main_kv_format
         ratio = self.ratio
         self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta_of(layer_id),
-                         cfg.rope_scaling if cfg.uses_yarn(layer_id) else None)
+                         cfg.rope_scaling if cfg.uses_yarn(layer_id) else None,
+                         cfg.rope_precision)
         self.wkv = nn.Linear(cfg.hidden_size, cfg.head_dim, bias=False)
         self.wgate = nn.Linear(cfg.hidden_size, cfg.head_dim, bias=False) if ratio > 1 else None
         self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

@@ -73,7 +73,8 @@ class Indexer(nn.Module):
             self.wk = nn.Linear(cfg.head_dim, self.d, bias=False)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.rope = Rope(min(cfg.qk_rope_head_dim, self.d), cfg.rope_theta_of(layer_id),
-                         cfg.rope_scaling if cfg.uses_yarn(layer_id) else None)
+                         cfg.rope_scaling if cfg.uses_yarn(layer_id) else None,
+                         cfg.rope_precision)
 
     @property
     def has_keys(self) -> bool:
