@@ -21,8 +21,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "default directory, else DIR/BENCHMARKS.md)")
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch intra-op threads (default 1)")
+    p.add_argument("--install-peer", action="store_true",
+                   help="peer figure: pip-install transformers into this environment when it is "
+                        "absent (default: skip the figure with a message)")
     p.add_argument("--no-install", action="store_true",
-                   help="peer figure: do not pip-install transformers when it is absent (skip)")
+                   help="(the default; kept for compatibility) never pip-install anything")
     p.add_argument("--no-profile", action="store_true", help="do not profile missed targets")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
@@ -48,7 +51,8 @@ def run(args) -> int:
     md = args.md
     if md is None:
         md = Path("BENCHMARKS.md") if args.out is None and not args.quick else out / "BENCHMARKS.md"
-    ctx = Ctx(quick=args.quick, out=out, threads=args.threads, install=not args.no_install,
+    ctx = Ctx(quick=args.quick, out=out, threads=args.threads,
+              install=args.install_peer and not args.no_install,
               profile=not args.no_profile, seed=args.seed, log=lambda s: print(s, flush=True))
     results = run_figures(names, ctx, md)
     print(f"results: {out}/  report: {md}")

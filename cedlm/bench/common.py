@@ -78,7 +78,7 @@ class Ctx:
     quick: bool = False
     out: Path = Path("bench/results")
     threads: int = 1
-    install: bool = True                 # peer figure: pip-install transformers if absent
+    install: bool = False                # peer figure: pip-install transformers if absent (opt-in)
     profile: bool = True                 # profile figures that miss their target
     seed: int = 0
     log: object = print

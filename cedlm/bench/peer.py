@@ -9,9 +9,10 @@ from a cache already holding `context` tokens; CED decodes with `CEDModel.decode
 DynamicCache filled by `update`; CED: common.synth_ced_state); decode cost depends on sizes.
 Throughput = B x new tokens / wall time, median of repeats.
 
-transformers is an optional extra: when it is absent the figure pip-installs TRANSFORMERS_PIN
-into the running interpreter (constrained to the installed torch / tokenizers / safetensors /
-numpy), unless --no-install; it is skipped with a message when that is not possible.
+transformers is an optional extra: when it is absent the figure is skipped with a message, unless
+--install-peer is given: then it pip-installs TRANSFORMERS_PIN into the running interpreter
+(constrained to the installed torch / tokenizers / safetensors / numpy); nothing is installed
+unasked.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def ensure_transformers(install: bool, log=print) -> tuple[object | None, str]:
         import transformers
         return transformers, f"transformers {transformers.__version__} (already installed)"
     if not install:
-        return None, "transformers is not installed and --no-install was given"
+        return None, ("transformers is not installed (nothing is installed unasked: pass "
+                      "--install-peer to pip-install it into this environment)")
     pins = []
     for dist in ("torch", "tokenizers", "safetensors", "numpy"):
         try:

@@ -29,7 +29,8 @@ Reproduce everything (about 10 minutes with the default single thread on this 2-
     cedlm bench --quick                  # small sizes: a smoke test (results in bench/results/quick)
 
 Options: `--threads N` (torch intra-op threads, default 1), `--out DIR`, `--md PATH`,
-`--no-install` (do not pip-install transformers for the peer figure), `--no-profile`.
+`--install-peer` (pip-install transformers for the peer figure when it is absent; without it
+the figure is skipped with a message and nothing is installed), `--no-profile`.
 
 The machine is shared: absolute times move with load, the ratios much less. Each JSON records the
 environment (`env`), and each timing its spread ((max - min) / median over the repeats).

@@ -1,22 +1,41 @@
-"""`cedlm generate`: one prompt through the engine, with a stats line (or one JSON object)."""
+"""`cedlm generate`: one prompt through the engine, with a stats line (or one JSON object).
+
+A bad flag or request ends with one `cedlm generate: error: ...` line on stderr and exit code 2
+(argparse's own errors print the usage first), never a traceback. The presets (`--model tiny`,
+`small`, ...) build RANDOM weights: a one-line warning says so unless `--random-weights` is given.
+`--prompt-logprobs K` scores the prompt (then `--max-tokens 0` is allowed: scoring only).
+"""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 
+PROG = "cedlm generate"
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate a completion for one prompt")
-    p.add_argument("--model", default=None, help="checkpoint dir or preset (default: the shipped model)")
+    p = sub.add_parser("generate", help="generate a completion for one prompt",
+                       description=__doc__.split("\n\n", 1)[0])
+    p.add_argument("--model", default=None,
+                   help="checkpoint dir, or a preset name (random weights; see --random-weights) "
+                        "(default: the shipped model)")
+    p.add_argument("--random-weights", "--random_weights", dest="random_weights", action="store_true",
+                   help="accept a preset's random weights without the warning")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the V4.1 chat encoding")
-    p.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=64)
+    p.add_argument("--max-tokens", "--max_tokens", dest="max_tokens", type=int, default=64,
+                   help="tokens to generate at most (>= 1; 0 with --prompt-logprobs: score only)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0)
     p.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None)
+    p.add_argument("--prompt-logprobs", "--prompt_logprobs", dest="prompt_logprobs", type=int,
+                   default=None, metavar="K",
+                   help="score the prompt: logprob of every prompt token (+ top-K in --json); "
+                        "prints the prompt's total logprob and perplexity")
     p.add_argument("--prefill-mode", "--prefill_mode", dest="prefill_mode", default="bounded",
                    choices=["full", "exact", "bounded"])
     p.add_argument("--threads", type=int, default=None,
@@ -27,20 +46,55 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _error(msg: str) -> int:
+    print(f"{PROG}: error: {msg}", file=sys.stderr)
+    return 2
+
+
 def run(args) -> int:
-    from cedlm.engine.llm import LLM
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args) -> int:
+    from cedlm.config.presets import PRESETS
     from cedlm.engine.sampling_params import SamplingParams
+    try:                                        # the settings first: fail before loading a model
+        sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=args.stop,
+                            prompt_logprobs=args.prompt_logprobs)
+    except ValueError as e:
+        return _error(str(e))
+    if args.threads is not None and args.threads < 1:
+        return _error(f"--threads: must be >= 1, got {args.threads}")
+    if isinstance(args.model, str) and args.model in PRESETS and not args.random_weights:
+        print(f"{PROG}: WARNING: --model {args.model} is a preset with RANDOM weights: its output is "
+              f"noise (pass a checkpoint directory, or --random-weights to silence this)",
+              file=sys.stderr)
+
+    from cedlm.engine.llm import LLM
     t0 = time.monotonic()
-    llm = LLM(model=args.model, prefill_mode=args.prefill_mode, num_threads=args.threads,
-              engram_mmap=args.engram_mmap)
-    prompt = args.prompt
-    if args.chat:
-        from cedlm.text.chat import encode_chat
-        prompt = llm.tokenizer.encode(encode_chat([{"role": "user", "content": prompt}]))
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, seed=args.seed, stop=args.stop)
+    try:
+        llm = LLM(model=args.model, prefill_mode=args.prefill_mode, num_threads=args.threads,
+                  engram_mmap=args.engram_mmap)
+    except (OSError, ValueError) as e:          # no such model, bad config (ConfigError), unreadable
+        return _error(str(e) if str(e).startswith("model") else f"model: {e}")
+    except Exception as e:                      # noqa: BLE001 - a checkpoint that does not load
+        return _error(f"model: {args.model!r} could not be loaded: {type(e).__name__}: {e}")
     t1 = time.monotonic()
-    out = llm.generate(prompt, sp)[0]
+    try:
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": args.prompt}], sp)[0]
+        else:
+            out = llm.generate(args.prompt, sp)[0]
+    except ValueError as e:                     # rejected request: too long, no tokenizer, ...
+        return _error(str(e))
+    except RuntimeError as e:                   # the request failed in the engine
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
     dt = time.monotonic() - t1
     st = llm.stats()
     stats = {
@@ -52,13 +106,27 @@ def run(args) -> int:
         "prefix_cache_hits": st["prefix_hits"], "encoder_tokens": st["encoder_tokens"],
         "decoder_prefill_tokens": st["decoder_prefill_tokens"],
     }
+    scored = [e for e in (out.prompt_logprobs or []) if e is not None]
+    if out.prompt_logprobs is not None:
+        total = sum(e.logprob for e in scored)
+        stats["prompt_logprob"] = total
+        stats["prompt_perplexity"] = math.exp(-total / len(scored)) if scored else None
     if args.json:
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": stats}))
+        obj = {"text": out.text, "token_ids": out.token_ids, "stats": stats}
+        if out.prompt_logprobs is not None:
+            obj["prompt_logprobs"] = [None if e is None else e._asdict() for e in out.prompt_logprobs]
+        print(json.dumps(obj))
     else:
         print(out.text)
+        tps = f"{stats['tokens_per_s']:.1f}" if stats["tokens_per_s"] is not None else "-"
         print(f"\n[{stats['prompt_tokens']} prompt + {stats['generated_tokens']} generated tokens, "
-              f"{stats['tokens_per_s']:.1f} tok/s, global KV {stats['kv_bytes_per_token']:g} B/token, "
+              f"{tps} tok/s, global KV {stats['kv_bytes_per_token']:g} B/token, "
               f"peak KV bytes {stats['kv_bytes_peak']}, "
               f"prefix-cache hits {stats['prefix_cache_hits']}/{stats['prefix_cache_queries']}]",
               file=sys.stderr)
+        if out.prompt_logprobs is not None:
+            ppl = stats["prompt_perplexity"]
+            print(f"[prompt: {len(scored)} scored tokens, total logprob {stats['prompt_logprob']:.4f}, "
+                  f"perplexity {ppl:.4g}]" if ppl is not None else "[prompt: nothing to score]",
+                  file=sys.stderr)
     return 0

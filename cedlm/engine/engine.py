@@ -5,6 +5,12 @@ one batched decode token for the running sequences and one encoder chunk of a pr
 sequence, samples, checks stops, and finishes requests (the scheduler frees their blocks through
 the manager, which publishes full blocks to the prefix cache and the store). Window rings are
 per sequence and rebuilt by replay after a prefix hit (never stored).
+
+Prompt scoring (`SamplingParams.prompt_logprobs`): such a request is admitted without prefix-cached
+blocks and prefilled in mode `full`, so that every prompt row runs the decoder; `prompt_logprobs`
+turns those rows into the request's `prompt_logprobs`. Several samples of one prompt (`n`,
+`best_of`; `add_samples`): the first is prefilled, the others then start from a copy of its state
+(`_fork`: full blocks shared, the partial block copied, window rings cloned).
 """
 from __future__ import annotations
 
@@ -15,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from cedlm.cache.block_pool import BlockTable
 from cedlm.cache.kv_cache_manager import KVCacheManager, blocks_for_budget
 from cedlm.cache.prefix import model_fingerprint
-from cedlm.engine.request import Request, Status
+from cedlm.engine.request import Request, Status, TokenLogprob
 from cedlm.engine.sampler import Sampler, make_generator
 from cedlm.engine.sampling_params import SamplingParams
 from cedlm.engine.stop import StopChecker
@@ -93,28 +100,69 @@ class Engine:
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
+        """One request of one sample; a request for several (n / best_of > 1) goes through
+        `add_samples`."""
+        params = params or SamplingParams()
+        if params.num_samples > 1:
+            raise ValueError(f"n: a request for {params.num_samples} samples (n / best_of) has one "
+                             f"Request per sample: use Engine.add_samples")
+        return self.add_samples(prompt_ids, params, request_id)[0]
+
+    def add_samples(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> list[Request]:
+        """The `params.num_samples` (best_of, else n) samples of one prompt, one Request each:
+        ids `request_id` for a single sample, else `{request_id}-{i}`; all carry `group_id =
+        request_id` and `sample_index = i`, and sample i runs under `params.for_sample(i)` (seed +
+        i). Only sample 0 is queued; the others wait in its `forks` and, when its prefill
+        completes, start from a copy of its state (the full prompt blocks shared, the last partial
+        block copied): the prompt is prefilled once and every sample's first token is drawn from
+        the same logits. A sample that cannot start then (no free sequence slot or block) is
+        queued at the front and prefills on its own (prefix-cache hit when the cache is on). Pick
+        the returned ones with `request.select_samples(samples, params.n)` once all finished;
+        abort a group by aborting every sample's id."""
         params = params or SamplingParams()
         V = self.model.cfg.vocab_size
         bad = [t for t in prompt_ids if not 0 <= int(t) < V]
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {V})")
-        req = Request(request_id or f"req-{next(self._ids)}", [int(t) for t in prompt_ids], params)
+        params.token_ids_in_vocab(V)
+        ids = [int(t) for t in prompt_ids]
+        gid = request_id or f"req-{next(self._ids)}"
+        k = params.num_samples
+        reqs = [self._make_request(gid if k == 1 else f"{gid}-{i}", ids, params.for_sample(i), gid, i)
+                for i in range(k)]
+        for r in reqs:
+            self.scheduler.check(r)
+        self.scheduler.add(reqs[0])
+        reqs[0].forks = reqs[1:]
+        for r in reqs:
+            self.requests[r.request_id] = r
+        self.counters["prompt_tokens"] += len(ids)
+        return reqs
+
+    def _make_request(self, rid: str, ids: list[int], params: SamplingParams, gid: str, i: int) -> Request:
+        req = Request(rid, list(ids), params, group_id=gid, sample_index=i)
         eos = None if self.tokenizer is None else self.tokenizer.eos_id
         req.stop = StopChecker(params, eos_token_id=eos)
         req.generator = make_generator(params.seed)
         req.detok = self.tokenizer.stream() if self.tokenizer is not None else None
-        self.scheduler.add(req)
-        self.requests[req.request_id] = req
-        self.counters["prompt_tokens"] += len(prompt_ids)
         return req
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is not None and not req.finished:
+            self._release_forks(req)
             self.scheduler.abort(req)
             req.finish_reason = "abort"
             req.finish_time = time.monotonic()
         self.requests.pop(request_id, None)
+
+    def _release_forks(self, req: Request) -> None:
+        """Samples waiting on req's prefill that will not get it: they run on their own."""
+        forks, req.forks = [r for r in req.forks if not r.finished], []
+        for r in forks:
+            r.prompt_logprobs = r.prompt_logprobs or req.prompt_logprobs
+        self.scheduler.requeue(forks)
 
     @property
     def has_work(self) -> bool:
@@ -151,6 +199,7 @@ class Engine:
                 if r.finished:
                     continue
                 r.finish_reason, r.error, r.finish_time = "error", f"{type(e).__name__}: {e}", now
+                self._release_forks(r)
                 self.scheduler.finish(r)
                 self.counters["requests_failed"] += 1
                 failed.append(r)
@@ -169,9 +218,11 @@ class Engine:
         if req.prefill is None:
             req.state = self._new_state(req)
             todo = req.all_ids[req.num_cached:]
-            self.counters["decoder_prefill_tokens"] += self.model.decoder_rows(len(todo), self.cfg.prefill_mode)
-            req.prefill = self.model.start_prefill(todo, req.state, self.cfg.prefill_mode,
-                                                   chunk_size=self.cfg.prefill_chunk)
+            # prompt scoring: every prompt row runs the decoder (the scheduler gave it no
+            # prefix-cached blocks, so todo is the whole prompt)
+            mode = "full" if req.needs_prompt_logprobs else self.cfg.prefill_mode
+            self.counters["decoder_prefill_tokens"] += self.model.decoder_rows(len(todo), mode)
+            req.prefill = self.model.start_prefill(todo, req.state, mode, chunk_size=self.cfg.prefill_chunk)
         self.counters["encoder_tokens"] += n
         # num_cached grows only after the chunk ran: a failure mid-chunk never publishes
         # half-written blocks to the prefix cache.
@@ -179,11 +230,71 @@ class Engine:
         req.num_cached += n
         if not done:
             return []
+        if req.needs_prompt_logprobs:
+            req.prompt_logprobs = prompt_logprobs(req.prefill.logits, req.prompt_ids,
+                                                  req.params.prompt_logprobs)
         logits = req.prefill.logits[-1:]
         req.prefill = None
         req.status = Status.RUNNING
         self.kv.cache_full_blocks(req)
-        return self._accept([req], logits)
+        group = [req] + self._start_forks(req)
+        if req.params.max_tokens == 0:             # scoring only: nothing is sampled
+            return self._finish_unsampled(group)
+        return self._accept(group, logits.expand(len(group), -1))
+
+    def _finish_unsampled(self, reqs: list[Request]) -> list[Request]:
+        now = time.monotonic()
+        for r in reqs:
+            r.finish_reason, r.finish_time = "length", now
+            self.scheduler.finish(r)
+            self.counters["requests_finished"] += 1
+        return reqs
+
+    # ---------------------------------------------------------------- samples of one prompt
+    def _start_forks(self, req: Request) -> list[Request]:
+        """Start req's waiting samples from a copy of its just-prefilled state; those that cannot
+        start now are queued to prefill on their own."""
+        started, rest = [], []
+        forks, req.forks = req.forks, []
+        for sib in forks:
+            if sib.finished:
+                continue
+            sib.prompt_logprobs = sib.prompt_logprobs or req.prompt_logprobs
+            (started if self._fork(req, sib) else rest).append(sib)
+        self.scheduler.requeue(rest)
+        return started
+
+    def _fork(self, src: Request, dst: Request) -> bool:
+        """dst (same token ids as src, nothing computed) takes src's prefilled KV: src's full
+        blocks are shared (ref counted, read-only from here on: later rows go to later blocks),
+        the partial last block is copied, the window rings and compressor rows are cloned.
+        False (nothing taken) when there is no free sequence slot or block."""
+        pool, bt = self.kv.pool, self.block_tokens
+        P = src.num_cached
+        n_full, part = divmod(P, bt)
+        if not self.scheduler.has_free_slot or (part and pool.num_free < 1):
+            return False
+        table = BlockTable(pool)
+        shared = src.table.blocks[:n_full]
+        for b in shared:
+            pool.incref(b)
+        table.adopt(shared)
+        if part:
+            b, a = pool.allocate(), src.table.blocks[n_full]
+            for t in pool.data.values():
+                t[b] = t[a]
+            table.blocks.append(b)
+        dst.table, dst.num_blocks = table, len(table.blocks)
+        dst.num_cached, dst.num_prefix_hit = P, 0
+        st = self.model.new_state(rows=self.kv.rows(dst))
+        st.adopt_prefix(src.state.token_ids[:P])
+        s0 = src.state
+        st.window = {l: w.clone() for l, w in s0.window.items()}
+        st.window_pos = {l: w.clone() for l, w in s0.window_pos.items()}
+        st.pending = {k: (kv.clone(), g.clone()) for k, (kv, g) in s0.pending.items()}
+        dst.state = st
+        self.scheduler.start_running(dst)
+        return True
 
     def _decode(self, reqs: list[Request]) -> list[Request]:
         ids = [r.output_ids[-1] for r in reqs]
@@ -195,15 +306,20 @@ class Engine:
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list:
         """Sample the batch; if that fails, sample row by row so that only the request whose
         row fails gets the exception (in place of its sample)."""
+        # prompt / generated ids, for the penalties and logits processors of the rows using them
+        hist = ([(r.prompt_ids, r.output_ids) for r in reqs]
+                if any(r.params.processes_logits for r in reqs) else None)
+        kw = {} if hist is None else {"histories": hist}
         try:
-            res = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            res = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs], **kw)
             return [(res.token_ids[i], res.logprobs[i], res.top_logprobs[i] if res.top_logprobs else None)
                     for i in range(len(reqs))]
         except Exception:                       # noqa: BLE001 - find the request it belongs to
             out = []
             for i, r in enumerate(reqs):
                 try:
-                    res = self.sampler.sample(logits[i:i + 1], [r.params], [r.generator])
+                    res = self.sampler.sample(logits[i:i + 1], [r.params], [r.generator],
+                                              **({} if hist is None else {"histories": hist[i:i + 1]}))
                     out.append((res.token_ids[0], res.logprobs[0],
                                 res.top_logprobs[0] if res.top_logprobs else None))
                 except Exception as e:          # noqa: BLE001
@@ -266,3 +382,25 @@ class Engine:
             **self.pool.stats,
             **self.kv.stats,
         }
+
+
+@torch.no_grad()
+def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], k: int) -> list[TokenLogprob | None]:
+    """Scored prompt from the prefill logits of every prompt row ([P, vocab]; row j predicts
+    token j + 1): entry 0 None, entry j the raw logprob, rank and top-k of prompt_ids[j]."""
+    P = len(prompt_ids)
+    if logits.shape[0] != P:
+        raise RuntimeError(f"prompt_logprobs: {logits.shape[0]} scored rows for a {P}-token prompt")
+    out: list[TokenLogprob | None] = [None]
+    if P < 2:
+        return out
+    lp = torch.log_softmax(logits[:-1].float(), dim=-1)                       # [P-1, V]
+    tgt = torch.tensor(prompt_ids[1:], dtype=torch.long, device=lp.device)
+    act = lp.gather(1, tgt[:, None])                                           # [P-1, 1]
+    ranks = ((lp > act).sum(-1) + 1).tolist()
+    k = min(k, lp.shape[-1])
+    tv, ti = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    tv, ti, act = tv.tolist(), ti.tolist(), act[:, 0].tolist()
+    for j in range(P - 1):
+        out.append(TokenLogprob(prompt_ids[j + 1], act[j], ranks[j], ti[j], tv[j]))
+    return out

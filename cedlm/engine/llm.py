@@ -1,4 +1,6 @@
-"""`LLM`: the offline API. `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""`LLM`: the offline API. `LLM(model=...).generate(prompts, SamplingParams(...))`, `LLM.chat(messages)`.
+
+Outputs are plain Python values (ints, floats, strings, lists): no tensors."""
 from __future__ import annotations
 
 import time
@@ -6,11 +8,31 @@ from dataclasses import dataclass, field
 
 from cedlm.engine.engine import Engine, EngineConfig
 from cedlm.engine.loader import load
+from cedlm.engine.request import Request, TokenLogprob, select_samples
 from cedlm.engine.sampling_params import SamplingParams
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a prompt. logprobs: raw logprob of each generated token (when
+    SamplingParams.logprobs is set); top_logprobs: per generated token, (top ids, their logprobs)
+    (when logprobs = k > 0); cumulative_logprob: their sum (how best_of ranks samples)."""
+    index: int                      # sample index i (it used seed + i)
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
 class RequestOutput:
+    """The result for one prompt. The flat fields (text, token_ids, finish_reason, logprobs,
+    top_logprobs) are those of outputs[0]; outputs holds all n samples (one unless n > 1).
+    prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token (entry 0
+    None, then `TokenLogprob(token_id, logprob, rank, top_ids, top_logprobs)`)."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -18,9 +40,24 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[float] | None = None
-    top_logprobs: list | None = None
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+def completion_output(r: Request) -> CompletionOutput:
+    """A finished sample as plain Python values."""
+    want_lp = r.params.logprobs is not None
+    top = None
+    if want_lp and r.params.logprobs:
+        top = [(ids.tolist(), [float(v) for v in lps.tolist()]) if hasattr(ids, "tolist") else (list(ids), list(lps))
+               for ids, lps in r.top_logprobs]
+    return CompletionOutput(r.sample_index, r.text, list(r.output_ids), r.finish_reason,
+                            getattr(r.stop, "stop_reason", None),
+                            [float(v) for v in r.output_logprobs] if want_lp else None, top,
+                            r.cumulative_logprob)
 
 
 class LLM:
@@ -58,7 +95,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Strings or token-id lists (one or many) -> one RequestOutput per prompt, in order."""
+        """Strings or token-id lists (one or many) -> one RequestOutput per prompt, in order
+        (with n > 1 / best_of, its `outputs` holds the n samples)."""
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         if single:
             prompts = [prompts]
@@ -66,29 +104,62 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} for {len(prompts)} prompts")
-        reqs = []
+        groups: list[list[Request]] = []
+        t0 = time.monotonic()
         try:
             for p, sp in zip(prompts, params):
-                reqs.append(self.engine.add_request(self.encode(p), sp))
-            t0 = time.monotonic()
+                groups.append(self.engine.add_samples(self.encode(p), sp or SamplingParams()))
+            reqs = [r for g in groups for r in g]
             while any(not r.finished for r in reqs):
                 self.engine.step()
             failed = next((r for r in reqs if r.finish_reason == "error"), None)
             if failed is not None:
                 raise RuntimeError(f"request {failed.request_id} failed: {failed.error}")
         except BaseException:
-            for r in reqs:                      # nothing leaks: free every KV block we hold
-                self.engine.abort(r.request_id)
+            for g in groups:                    # nothing leaks: free every KV block we hold
+                for r in g:
+                    self.engine.abort(r.request_id)
             raise
         dt = time.monotonic() - t0
         outs = []
-        for p, r in zip(prompts, reqs):
-            want_lp = r.params.logprobs is not None
+        for p, sp, g in zip(prompts, params, groups):
+            lead = g[0]
+            samples = [completion_output(r) for r in select_samples(g, (sp or SamplingParams()).n)]
+            first = samples[0]
             outs.append(RequestOutput(
-                r.request_id, p if isinstance(p, str) else None, r.prompt_ids, r.text, r.output_ids,
-                r.finish_reason, r.output_logprobs if want_lp else None,
-                r.top_logprobs if want_lp and r.params.logprobs else None, r.num_prefix_hit,
-                {"elapsed_s": dt, "preemptions": r.num_preemptions}))
+                lead.group_id, p if isinstance(p, str) else None, list(lead.prompt_ids), first.text,
+                first.token_ids, first.finish_reason, first.logprobs, first.top_logprobs,
+                lead.num_prefix_hit,
+                {"elapsed_s": dt, "preemptions": sum(r.num_preemptions for r in g)},
+                lead.prompt_logprobs if lead.params.prompt_logprobs is not None else None,
+                samples))
+        return outs
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             thinking_mode: str = "chat", reasoning_effort: str | int | None = None,
+             tools: list[dict] | None = None, drop_thinking: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of message dicts) or a list of conversations -> one
+        RequestOutput per conversation, as `generate`. Each is rendered with the DeepSeek-V4.1
+        chat encoder (`cedlm.text.chat.encode_chat_ids`: only the encoder emits control tokens;
+        the prompt ends with the assistant turn's opening, `</think>` in chat mode, `<think>` in
+        thinking mode); `prompt` in the output is the rendered string. The text is the raw
+        generation (split reasoning and content with `cedlm.text.chat.parse_assistant`)."""
+        from cedlm.text.chat import encode_chat, encode_chat_ids
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer; use generate() with token ids")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages: a list of message dicts, or a list of such lists")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        ids, texts = [], []
+        for conv in convs:
+            if not isinstance(conv, (list, tuple)):
+                raise ValueError("messages: a list of message dicts, or a list of such lists")
+            args = (list(conv), thinking_mode, reasoning_effort, drop_thinking, tools)
+            texts.append(encode_chat(*args))
+            ids.append(encode_chat_ids(args[0], self.tokenizer, *args[1:]))
+        outs = self.generate(ids, sampling_params)
+        for o, t in zip(outs, texts):
+            o.prompt = t
         return outs
 
     # ---------------------------------------------------------------- sessions

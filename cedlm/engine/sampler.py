@@ -2,10 +2,13 @@
 
 ``Sampler`` turns a batch of next-token logits ``[B, V]`` into token ids, one row per request, each
 row with its own ``SamplingParams`` (``cedlm.engine.sampling_params``). Processing order per row:
-temperature, then top-k, then top-p (top-p is taken over the top-k-renormalised distribution, as in
-vLLM and HF). A ``top_k`` above the vocabulary size is clamped to it (i.e. keeps every token). Rows
-with ``temperature < GREEDY_EPS`` take ``argmax`` of the raw logits (ties: lowest id) and consume
-no randomness.
+the logits pipeline of ``process_logits`` (only for rows whose params ask for it:
+``allowed_token_ids``, ``logit_bias``, ``logits_processors``, then the repetition, frequency and
+presence penalties, which need the row's prompt and generated ids, ``histories``), then
+temperature, then top-k, then top-p (top-p is taken over the top-k-renormalised distribution, as
+in vLLM and HF). A ``top_k`` above the vocabulary size is clamped to it (i.e. keeps every token).
+Rows with ``temperature < GREEDY_EPS`` take ``argmax`` of the (processed) logits (ties: lowest id)
+and consume no randomness. Rows with nothing to process use the model's logits as they are.
 
 Random rows use the *exponential race* (equivalently the Gumbel-max trick): with
 ``q_i ~ Exp(1)`` i.i.d., ``argmax_i p_i / q_i`` is distributed as ``Categorical(p)``. Each
@@ -76,22 +79,83 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
     return torch.empty_like(logits).scatter_(-1, idx, srt)
 
 
+def apply_penalties(row: torch.Tensor, params: SamplingParams, prompt_ids, output_ids) -> torch.Tensor:
+    """vLLM's penalties on one row [V] (fp32): repetition over the tokens of prompt + output (a
+    positive logit divided by the penalty, a negative one multiplied), then frequency (times the
+    count in the output) and presence (once per token present in the output) subtracted."""
+    V = row.shape[-1]
+    dev = row.device
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(V, dtype=torch.bool, device=dev)
+        ids = list(prompt_ids) + list(output_ids)
+        if ids:
+            seen[torch.tensor(ids, dtype=torch.long, device=dev)] = True
+        rp = params.repetition_penalty
+        row = torch.where(seen, torch.where(row > 0, row / rp, row * rp), row)
+    if (params.frequency_penalty or params.presence_penalty) and len(output_ids):
+        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long, device=dev),
+                                minlength=V)[:V].to(row.dtype)
+        row = row - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(row.dtype)
+    return row
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories=None) -> torch.Tensor:
+    """The logits pipeline before temperature / top-k / top-p, for the rows whose params ask for
+    it (``SamplingParams.processes_logits``): allowed_token_ids, logit_bias, logits_processors,
+    then the penalties. ``histories[b] = (prompt_ids, output_ids)`` of row b (None: empty).
+    Returns ``logits`` itself when no row needs processing, else a new fp32 tensor. A row left
+    with no finite logit (every token masked) or with a NaN raises ValueError."""
+    rows = [b for b, p in enumerate(params) if p.processes_logits]
+    if not rows:
+        return logits
+    out = logits.float().clone()
+    V = out.shape[-1]
+    for b in rows:
+        p = params[b]
+        prompt_ids, output_ids = histories[b] if histories is not None and histories[b] is not None else ((), ())
+        row = out[b].clone()
+        if p.allowed_token_ids is not None:
+            keep = torch.zeros(V, dtype=torch.bool, device=row.device)
+            keep[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)] = True
+            row = row.masked_fill(~keep, float("-inf"))
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+        for fn in p.logits_processors or ():
+            got = fn(list(output_ids), row)
+            if not isinstance(got, torch.Tensor) or tuple(got.shape) != (V,):
+                raise ValueError(f"logits_processors: {fn!r} must return a tensor of shape [{V}], "
+                                 f"got {type(got).__name__} {tuple(getattr(got, 'shape', ()))}")
+            row = got.to(dtype=torch.float32, device=out.device)
+        row = apply_penalties(row, p, prompt_ids, output_ids)
+        if torch.isnan(row).any() or (row == float("inf")).any():
+            raise ValueError("logits_processors: the processed logits contain NaN or +inf")
+        if not torch.isfinite(row).any():
+            raise ValueError("allowed_token_ids / logit_bias / logits_processors: every token is masked "
+                             "(no finite logit left)")
+        out[b] = row
+    return out
+
+
 class Sampler:
     """Batched next-token sampler; see the module docstring for the algorithm and conventions."""
 
-    def __call__(self, logits, params, generators=None) -> SamplerOutput:
-        return self.sample(logits, params, generators)
+    def __call__(self, logits, params, generators=None, histories=None) -> SamplerOutput:
+        return self.sample(logits, params, generators, histories)
 
     def sample(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None] | None = None,
+        histories: list[tuple[list[int], list[int]] | None] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row of ``logits`` [B, V].
 
         ``params[b]`` and ``generators[b]`` (None = global RNG; a generator must live on the logits'
         device, see ``make_generator``) belong to row b. ``generators=None`` means all None.
+        ``histories[b] = (prompt_ids, output_ids)`` of row b, for the penalties and the logits
+        processors (None: no history).
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -106,20 +170,23 @@ class Sampler:
         for g in generators:
             if g is not None and torch.device(g.device).type != dev.type:
                 raise ValueError(f"generator on {g.device} but logits on {dev}; use make_generator(seed, device)")
+        if histories is not None and len(histories) != B:
+            raise ValueError(f"got {len(histories)} histories for {B} rows of logits")
         logits = logits.float()
 
         # Raw-distribution logprobs (vLLM convention): lp = logit - logsumexp(logits).
         lse = torch.logsumexp(logits, dim=-1)                                  # [B]
+        work = process_logits(logits, params, histories)                      # what is sampled from
 
         token_ids = torch.empty(B, dtype=torch.long, device=dev)
         greedy = [b for b in range(B) if params[b].greedy]
         rand = [b for b in range(B) if not params[b].greedy]
         if greedy:
             gi = torch.tensor(greedy, device=dev)
-            token_ids[gi] = logits[gi].argmax(dim=-1)   # first maximum = lowest id on ties
+            token_ids[gi] = work[gi].argmax(dim=-1)     # first maximum = lowest id on ties
         if rand:
             token_ids[torch.tensor(rand, device=dev)] = self._sample_random(
-                logits, [params[b] for b in rand], [generators[b] for b in rand], rand
+                work, [params[b] for b in rand], [generators[b] for b in rand], rand
             )
 
         logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - lse

@@ -6,6 +6,7 @@ model runs, through the KV cache manager's integer verbs, so the model's cache a
 fail mid-forward:
 
     kv.get_computed_blocks(req)       -> prefix lookup at admission; sets req.num_cached
+                                         (skipped for a prompt to be scored: prompt_logprobs)
     kv.allocate_slots(req, tokens)    -> bool: req holds blocks for `tokens` positions
     kv.free(req)                      -> frees everything req holds
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from cedlm.cache.block_pool import BlockTable
 from cedlm.engine.request import Request, Status
 
 
@@ -56,6 +58,11 @@ class Scheduler:
         return -(-tokens // self.block_tokens)
 
     def add(self, req: Request) -> None:
+        self.check(req)
+        self.waiting.append(req)
+
+    def check(self, req: Request) -> None:
+        """Raise RequestRejected (naming the limit) for a request that can never be served."""
         total = len(req.prompt_ids) + req.params.max_tokens
         if not req.prompt_ids:
             raise RequestRejected("prompt: empty prompt")
@@ -70,7 +77,23 @@ class Scheduler:
             raise RequestRejected(
                 f"kv_budget: the request needs {self.blocks_for(total)} KV blocks of "
                 f"{self.block_tokens} tokens, the whole pool has {self.num_blocks}")
-        self.waiting.append(req)
+
+    def requeue(self, reqs: list[Request]) -> None:
+        """Put requests at the front of the waiting queue, in order (samples of a prompt that
+        could not start from its prefill: they run on their own, via the prefix cache)."""
+        for r in reversed(reqs):
+            r.status = Status.WAITING
+            self.waiting.appendleft(r)
+
+    @property
+    def has_free_slot(self) -> bool:
+        return len(self.active) < self.max_num_seqs
+
+    def start_running(self, req: Request) -> None:
+        """Admit a request whose KV the engine has already put in place (a sample started from a
+        copy of another sample's prefill): it holds its blocks and decodes from the next step."""
+        req.status = Status.RUNNING
+        self.active.append(req)
 
     def abort(self, req: Request) -> None:
         if req in self.waiting:
@@ -108,6 +131,16 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted.append(req)
 
+    def _lookup(self, req: Request) -> None:
+        """Admission: the longest prefix-cached run of blocks, except for a request whose prompt
+        is to be scored (prompt_logprobs): a hit would skip rows that must run the decoder, so it
+        starts from an empty block table (its blocks are still published when computed)."""
+        if not req.needs_prompt_logprobs:
+            self.kv.get_computed_blocks(req)
+            return
+        req.table = BlockTable(self.kv.pool)
+        req.num_cached = req.num_prefix_hit = req.num_blocks = 0
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         # 1. decode: every running sequence grows by one token; oldest first.
@@ -126,7 +159,7 @@ class Scheduler:
         pre = next((r for r in self.active if r.status is Status.PREFILLING), None)
         if pre is None and self.waiting and len(self.active) < self.max_num_seqs:
             cand = self.waiting[0]
-            self.kv.get_computed_blocks(cand)
+            self._lookup(cand)
             if self.kv.allocate_slots(cand, min(cand.num_tokens, cand.num_cached + self.prefill_chunk)):
                 self.waiting.popleft()
                 cand.status = Status.PREFILLING
