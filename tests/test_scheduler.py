@@ -10,7 +10,7 @@ class FakeAlloc:
     def __init__(self, blocks, bt, hits=None):
         self.nfree, self.bt, self.held, self.hits = blocks, bt, {}, hits or {}
 
-    def get_computed_blocks(self, req):
+    def get_computed_blocks(self, req, use_prefix_cache=True):
         h = self.hits.get(req.request_id, 0)
         self.held[req.request_id] = h // self.bt
         self.nfree -= h // self.bt

@@ -74,12 +74,13 @@ class KVCacheManager:
         return block_hashes(ids, self.block_tokens, salt=salt)
 
     # ---------------------------------------------------------------- the four verbs
-    def get_computed_blocks(self, req) -> int:
+    def get_computed_blocks(self, req, use_prefix_cache: bool = True) -> int:
         """At admission: give req a block table that starts with the longest cached prefix
-        (pool, then store); returns the number of tokens it covers (req.num_cached)."""
+        (pool, then store); returns the number of tokens it covers (req.num_cached). With
+        use_prefix_cache=False the table starts empty (a request whose every row must run)."""
         req.table = BlockTable(self.pool)
         req.num_cached = req.num_prefix_hit = req.num_blocks = 0
-        if not self.enable_prefix_cache:
+        if not (self.enable_prefix_cache and use_prefix_cache):
             return 0
         bt, ids = self.block_tokens, req.all_ids
         hashes = self.hashes(ids, _cache_salt(req))[: (len(ids) - 1) // bt]        # leave >= 1 token to run
@@ -125,6 +126,27 @@ class KVCacheManager:
             self.pool.register(b, h)
             if store_ok:
                 store_ok = self._store_block(b, h)
+
+    def fork(self, src, dst, num_tokens: int) -> bool:
+        """dst takes src's first num_tokens positions: the full blocks are shared (reference
+        counted; read-only from here on, later rows go to later blocks), a partial last block is
+        copied. False (nothing taken) when the copy needs a block the pool does not have."""
+        pool, bt = self.pool, self.block_tokens
+        n_full, part = divmod(num_tokens, bt)
+        if part and pool.num_free < 1:
+            return False
+        table = BlockTable(pool)
+        shared = src.table.blocks[:n_full]
+        for b in shared:
+            pool.incref(b)
+        table.adopt(shared)
+        if part:
+            b, a = pool.allocate(), src.table.blocks[n_full]
+            for t in pool.data.values():
+                t[b] = t[a]
+            table.blocks.append(b)
+        dst.table, dst.num_blocks = table, len(table.blocks)
+        return True
 
     # ---------------------------------------------------------------- rows for a sequence
     def rows(self, req):

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from cedlm.cache.block_pool import BlockTable
 from cedlm.cache.kv_cache_manager import KVCacheManager, blocks_for_budget
 from cedlm.cache.prefix import model_fingerprint
 from cedlm.engine.request import Request, Status, TokenLogprob
@@ -269,29 +268,13 @@ class Engine:
         blocks are shared (ref counted, read-only from here on: later rows go to later blocks),
         the partial last block is copied, the window rings and compressor rows are cloned.
         False (nothing taken) when there is no free sequence slot or block."""
-        pool, bt = self.kv.pool, self.block_tokens
         P = src.num_cached
-        n_full, part = divmod(P, bt)
-        if not self.scheduler.has_free_slot or (part and pool.num_free < 1):
+        if not self.scheduler.has_free_slot or not self.kv.fork(src, dst, P):
             return False
-        table = BlockTable(pool)
-        shared = src.table.blocks[:n_full]
-        for b in shared:
-            pool.incref(b)
-        table.adopt(shared)
-        if part:
-            b, a = pool.allocate(), src.table.blocks[n_full]
-            for t in pool.data.values():
-                t[b] = t[a]
-            table.blocks.append(b)
-        dst.table, dst.num_blocks = table, len(table.blocks)
         dst.num_cached, dst.num_prefix_hit = P, 0
         st = self.model.new_state(rows=self.kv.rows(dst))
         st.adopt_prefix(src.state.token_ids[:P])
-        s0 = src.state
-        st.window = {l: w.clone() for l, w in s0.window.items()}
-        st.window_pos = {l: w.clone() for l, w in s0.window_pos.items()}
-        st.pending = {k: (kv.clone(), g.clone()) for k, (kv, g) in s0.pending.items()}
+        st.copy_windows_from(src.state)
         dst.state = st
         self.scheduler.start_running(dst)
         return True

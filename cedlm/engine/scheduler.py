@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from cedlm.cache.block_pool import BlockTable
 from cedlm.engine.request import Request, Status
 
 
@@ -135,11 +134,7 @@ class Scheduler:
         """Admission: the longest prefix-cached run of blocks, except for a request whose prompt
         is to be scored (prompt_logprobs): a hit would skip rows that must run the decoder, so it
         starts from an empty block table (its blocks are still published when computed)."""
-        if not req.needs_prompt_logprobs:
-            self.kv.get_computed_blocks(req)
-            return
-        req.table = BlockTable(self.kv.pool)
-        req.num_cached = req.num_prefix_hit = req.num_blocks = 0
+        self.kv.get_computed_blocks(req, use_prefix_cache=not req.needs_prompt_logprobs)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -102,6 +102,13 @@ class SequenceState:
             (self.kv if spec.kind == "kv" else self.index)[spec.layer].set_len(n // spec.ratio)
         self.num_tokens, self.token_ids = n, list(token_ids)
 
+    def copy_windows_from(self, other: "SequenceState") -> None:
+        """Clone the per-sequence rows of `other` (window rings, compressor pending rows): what a
+        forked sample needs beside the shared global rows."""
+        self.window = {l: w.clone() for l, w in other.window.items()}
+        self.window_pos = {l: w.clone() for l, w in other.window_pos.items()}
+        self.pending = {k: (kv.clone(), g.clone()) for k, (kv, g) in other.pending.items()}
+
     # ---------------------------------------------------------------- compressed entries
     def n_entries(self, src: int) -> int:
         return self.kv[src].n
