@@ -11,7 +11,8 @@ from cedlm.model.attention import attend
 from cedlm.model.moe import MoE
 
 REF = Path(__file__).resolve().parents[1] / "cedlm" / "config" / "official"
-WEIGHT_NAMES = Path(__file__).resolve().parents[2] / "shared" / "reference" / "v41-weight-names.txt"
+# The official checkpoint's tensor names, dtypes and shapes (one representative key per role).
+WEIGHT_NAMES = Path(__file__).resolve().parent / "fixtures" / "v41-weight-names.txt"
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

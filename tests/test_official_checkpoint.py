@@ -25,7 +25,8 @@ from cedlm.model import CEDModel
 from cedlm.text.tokenizer import load_tokenizer
 
 ASSETS = Path(__file__).resolve().parents[1] / "cedlm" / "assets"
-WEIGHT_NAMES = Path(__file__).resolve().parents[2] / "shared" / "reference" / "v41-weight-names.txt"
+# The official checkpoint's tensor names, dtypes and shapes (one representative key per role).
+WEIGHT_NAMES = Path(__file__).resolve().parent / "fixtures" / "v41-weight-names.txt"
 
 # ============================================================================ independent quantiser
 # Which official tensors are stored how (the weight-name file, written out again here).
