@@ -14,7 +14,7 @@ from cedlm.config import CONFIG_DIR, ModelConfig
 from cedlm.model import CEDModel
 
 GIB = 1 << 30
-WEIGHT_NAMES = Path(__file__).resolve().parents[2] / "shared" / "reference" / "v41-weight-names.txt"
+WEIGHT_NAMES = Path(__file__).resolve().parent / "fixtures" / "v41-weight-names.txt"
 
 
 @pytest.fixture(scope="module")
