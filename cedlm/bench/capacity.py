@@ -82,8 +82,9 @@ def run(ctx: Ctx) -> dict:
     models = {"CED-small": ctx.ced(), "V4-Flash-style twin": ctx.v4(),
               "CED-small40": ctx.preset_model("small40"),
               "V4-Flash-small40": ctx.preset_model("small40-v4flash")}
-    ids_40 = ids_short[: ctx.size(512, 256)]
-    res = {name: _paged_model(m, budget, contexts, ids_40 if "40" in name else ids_short, ids_odd)
+    # the 40-layer pair cross-checks allocation against shorter real prefills in quick mode
+    short40, odd40 = ids_short[: ctx.size(512, 128)], ids_odd       # 127: a full ratio-128 pending group
+    res = {name: _paged_model(m, budget, contexts, *((short40, odd40) if "40" in name else (ids_short, ids_odd)))
            for name, m in models.items()}
     tw = ctx.twin()
     ts = tw.new_state()
