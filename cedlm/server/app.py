@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: `create_app(llm_or_engine, ...)` -> FastAPI app.
 
 Routes: POST /v1/chat/completions (`chat`), POST /v1/completions (`completions`), both streaming
-over SSE or not; GET /v1/models, GET /health, GET /metrics (Prometheus text format), here.
-Behaviour follows vLLM's OpenAI server where the OpenAI API is silent.
+over SSE or not; GET /v1/models, GET /v1/models/{id}, POST /tokenize and POST /detokenize (vLLM's
+shapes), GET /health, GET /metrics (Prometheus text format), here. Behaviour follows vLLM's
+OpenAI server where the OpenAI API is silent.
 
 - Model names go through the explicit alias table (`aliases.py`).
 - Errors are OpenAI-shaped (`errors.py`): 400 invalid body, 401 bad/missing API key, 404 unknown
@@ -31,33 +32,86 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cedlm.server import chat, completions
 from cedlm.server.aliases import AliasTable
-from cedlm.server.chat import EFFORT_HEADER, ReasoningSplitter
+from cedlm.server.chat import EFFORT_HEADER, ReasoningSplitter, encode_messages
 from cedlm.server.errors import APIError, BodyTooLarge, fix_openapi, install_error_handlers, unauthorized
 from cedlm.server.metrics import Metrics
-from cedlm.server.protocol import Health, ModelCard, ModelList
-from cedlm.server.state import ServerState
+from cedlm.server.protocol import (
+    DetokenizeRequest, DetokenizeResponse, Health, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+)
+from cedlm.server.state import DEFAULT_MAX_TOKENS, ServerState
 from cedlm.server.worker import EngineWorker
 
-__all__ = ["create_app", "api_key_from_env", "ReasoningSplitter", "EFFORT_HEADER", "DEFAULT_MAX_BODY_BYTES"]
+__all__ = ["create_app", "api_key_from_env", "ReasoningSplitter", "EFFORT_HEADER", "DEFAULT_MAX_BODY_BYTES",
+           "DEFAULT_MAX_TOKENS"]
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 log = logging.getLogger("cedlm.server")
 
-_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+           "/detokenize"}
 
 models_router = APIRouter()
 ops_router = APIRouter()
 
 
+def _card(srv: ServerState, name: str) -> ModelCard:
+    table = srv.aliases
+    st = "current" if name == table.served_name else table.aliases[name]
+    return ModelCard(id=name, created=srv.created, root=table.served_name, status=st,
+                     replacement=table.served_name if st == "deprecated" else None,
+                     max_model_len=srv.max_model_len)
+
+
 @models_router.get("/v1/models")
 async def models(request: Request):
     srv: ServerState = request.app.state.server
-    table = srv.aliases
-    cards = [ModelCard(id=table.served_name, created=srv.created, root=table.served_name)]
-    for name, st in table.aliases.items():
-        cards.append(ModelCard(id=name, created=srv.created, root=table.served_name, status=st,
-                               replacement=table.served_name if st == "deprecated" else None))
+    cards = [_card(srv, name) for name in srv.aliases.names()]
     return ModelList(data=cards).model_dump(exclude_none=True)
+
+
+@models_router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request):
+    """One model card; an unknown name is 404 `model_not_found` naming it and the valid names."""
+    srv: ServerState = request.app.state.server
+    srv.resolve(model_id)
+    return _card(srv, model_id).model_dump(exclude_none=True)
+
+
+@models_router.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True)
+async def tokenize(body: TokenizeRequest, request: Request):
+    """vLLM's /tokenize: a text (a BOS first unless add_special_tokens is false, as
+    /v1/completions tokenizes it) or chat messages (the ids /v1/chat/completions would run)."""
+    srv: ServerState = request.app.state.server
+    srv.resolve(body.model)
+    tok = srv.tok
+    if tok is None:
+        raise APIError(400, "prompt: this model has no tokenizer", param="prompt")
+    if body.prompt is not None:
+        srv.check_chars(len(body.prompt), "prompt")
+        bos = body.add_special_tokens is not False
+        ids = await srv.tokenize(lambda: ([tok.bos_id] if bos else []) + tok.encode_plain(body.prompt))
+    else:
+        if body.add_special_tokens:
+            raise APIError(400, "add_special_tokens: the V4.1 chat encoding already starts with BOS; "
+                                "leave it unset or false with messages", param="add_special_tokens")
+        thinking, effort = body.resolve_thinking()
+        ids = await srv.tokenize(lambda: encode_messages(srv, body, thinking, effort))
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=srv.max_model_len,
+                            token_strs=[srv.tok_text(i) for i in ids] if body.return_token_strs else None)
+
+
+@models_router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, request: Request):
+    srv: ServerState = request.app.state.server
+    srv.resolve(body.model)
+    if srv.tok is None:
+        raise APIError(400, "tokens: this model has no tokenizer", param="tokens")
+    bad = [t for t in body.tokens if not 0 <= t < srv.tok.vocab_size]
+    if bad:
+        raise APIError(400, f"tokens: token id {bad[0]} is outside the vocabulary [0, {srv.tok.vocab_size})",
+                       param="tokens")
+    ids = list(body.tokens)
+    return DetokenizeResponse(prompt=await srv.tokenize(lambda: srv.tok.decode(ids)))
 
 
 @ops_router.get("/health", response_model=Health, responses={503: {"model": Health,
@@ -165,6 +219,7 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
                max_waiting: int | None = None, queue_timeout: float | None = 30.0,
                retry_after: int = 1, max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
                max_prompt_tokens: int | None = None, exit_on_engine_failure: bool = False,
+               default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                worker_options: dict | None = None) -> FastAPI:
     """An app serving an `LLM` or an `Engine`.
 
@@ -175,7 +230,8 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     wait for admission (None: forever); beyond either -> 429 with `retry-after: retry_after`.
     max_body_bytes: request bodies above it get 413 (None: no limit; default 8 MiB);
     max_prompt_tokens: longer prompts get 400 (None: max_model_len); exit_on_engine_failure: when
-    the engine fails for good, SIGTERM this process (the CLI sets it); worker_options: more
+    the engine fails for good, SIGTERM this process (the CLI sets it); default_max_tokens: the
+    max_tokens of a request that omits it (None or 0: the rest of the context); worker_options: more
     `EngineWorker` keywords (max_step_failures, max_restarts, degraded_window, stall_after,
     on_failed).
     """
@@ -202,7 +258,8 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
 
     app = FastAPI(title="cedlm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = ServerState(engine, tokenizer, table, worker, metrics,
-                                   max_prompt_tokens=max_prompt_tokens)
+                                   max_prompt_tokens=max_prompt_tokens,
+                                   default_max_tokens=default_max_tokens or None)
     app.state.worker, app.state.engine, app.state.aliases, app.state.metrics = worker, engine, table, metrics
     if max_body_bytes is not None:
         app.add_middleware(_BodyLimit, max_bytes=int(max_body_bytes))

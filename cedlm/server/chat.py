@@ -2,17 +2,28 @@
 
 Chat uses the DeepSeek-V4.1 encoding (`cedlm.text.chat.encode_chat`). Thinking mode is used when
 reasoning is requested (`reasoning_effort` other than "none", the integer extension
-`cedlm_reasoning_effort`, or `thinking` / `chat_template_kwargs.thinking`); otherwise chat mode.
-OpenAI tiers map to V4.1 integers as in `protocol.EFFORT_TIERS`: none -> chat mode, minimal=25,
-low=50, medium=62, high=75, xhigh=75, max=100; an integer 1..100 is accepted in `reasoning_effort`
-or `cedlm_reasoning_effort`. The effort used is echoed in the `x-cedlm-reasoning-effort` response
-header ("none" in chat mode).
+`cedlm_reasoning_effort`, DeepSeek's `thinking: {"type": "enabled"}`, or `thinking` /
+`chat_template_kwargs.thinking`); otherwise chat mode (the default, as in vLLM; DeepSeek's own
+API defaults to thinking). Effort tiers map to V4.1 integers as in `protocol.EFFORT_TIERS`
+(DeepSeek's API names and mapping: none -> chat mode, minimal / low = 50, medium / high / xhigh
+= 75, max / ultra = 100); an integer 1..100 is accepted in `reasoning_effort` or
+`cedlm_reasoning_effort`. `thinking: {"type": "disabled"}` wins over an effort. The effort used is
+echoed in the `x-cedlm-reasoning-effort` response header ("none" in chat mode).
 
 In thinking mode the output is split with `parse_assistant` into `reasoning_content` and `content`
 (streamed consistently by `ReasoningSplitter`); `usage.completion_tokens_details.reasoning_tokens`
 counts the generated tokens up to and including the first `</think>` (all of them if it never
-came). In chat mode everything is `content`. With `tools`, tool calls are parsed from the content
-of a non-streaming response (finish reason "tool_calls").
+came). In chat mode everything is `content`.
+
+Tools (`tools.py`): with tool_choice "auto" (the default when tools are given) tool calls are
+parsed from the V4.1 `<｜DSML｜ calls>` block, streaming (`DSMLStream`: each call is sent as a
+`tool_calls` delta once its invoke closes) or not; "required" or a named function constrains the
+output to JSON naming the call(s) (the finish reason is then "tool_calls"); "none" parses nothing.
+`response_format` (json_object, json_schema) and vLLM's structured outputs constrain the content
+(`constrain.py`; in thinking mode, from the first `</think>` on).
+
+`n` choices (and `best_of`: that many sampled, the n with the highest cumulative logprob
+returned) run as separate engine requests sharing the prompt's prefix-cache blocks.
 
 Only the chat encoder emits control tokens: message text (content, reasoning, tool calls, tool
 schemas and results) is tokenized as plain text (`cedlm.text.chat.encode_chat_ids`), so typing
@@ -35,7 +46,8 @@ from cedlm.server.protocol import (
     TokenLogprob, TopLogprob, Usage,
 )
 from cedlm.server.state import ServerState, finite_logprob
-from cedlm.server.streaming import RequestEvents, collect, sse, sse_response
+from cedlm.server.streaming import Group, Output, sse
+from cedlm.server.tools import DSMLStream, ForcedStream, forced_schema, parse_forced, with_ids
 from cedlm.server.worker import Delta, Finished
 from cedlm.text.chat import (
     EOS, THINK_END, THINK_START, encode_chat_parts, parse_assistant, parse_tool_calls, tokenize_parts,
@@ -114,6 +126,35 @@ def reasoning_tokens(srv: ServerState, ids: list[int], thinking: bool) -> int:
     return len(ids)
 
 
+def encode_messages(srv: ServerState, body, thinking: bool, effort: int | None) -> list[int]:
+    """The V4.1 prompt ids of a chat request (or a /tokenize request with messages); runs in a
+    worker thread. A message the encoder refuses is a 400 naming `messages`."""
+    msgs = [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        parts = encode_chat_parts(msgs, "thinking" if thinking else "chat", effort if thinking else None,
+                                  drop_thinking=body.drop_thinking, tools=body.tools)
+    except ValueError as e:
+        raise APIError(400, f"messages: {e}", param="messages") from None
+    except Exception as e:                 # noqa: BLE001 - a message shape the checks missed
+        eid = f"err-{uuid.uuid4().hex[:16]}"
+        log.warning("chat encoding failed [%s]", eid, exc_info=e)
+        raise APIError(400, f"messages: a message could not be encoded; check its shape "
+                            f"(error id {eid})", param="messages") from None
+    srv.check_chars(sum(len(t) for t, _ in parts), "messages")
+    try:
+        return tokenize_parts(parts, srv.tok)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+def best(outs: list[Output], n: int) -> list[Output]:
+    """The n outputs a request returns (as `cedlm.engine.request.select_samples`): all, in sample
+    order, when n were drawn; else (best_of) the n with the highest cumulative logprob."""
+    if len(outs) <= n:
+        return outs
+    return sorted(outs, key=lambda o: -o.cumulative_logprob)[:n]
+
+
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, raw: Request):
     srv: ServerState = raw.app.state.server
@@ -122,90 +163,122 @@ async def chat(body: ChatCompletionRequest, raw: Request):
         raise APIError(400, "messages: this model has no tokenizer; use /v1/completions with "
                             "token ids", param="messages")
     thinking, effort = body.resolve_thinking()
-    if body.top_logprobs and not body.logprobs:
-        raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
-    msgs = [m.model_dump(exclude_none=True) for m in body.messages]
-
-    def encode() -> list[int]:
-        try:
-            parts = encode_chat_parts(msgs, "thinking" if thinking else "chat",
-                                      effort if thinking else None, tools=body.tools)
-        except ValueError as e:
-            raise APIError(400, f"messages: {e}", param="messages") from None
-        except Exception as e:                 # noqa: BLE001 - a message shape the checks missed
-            eid = f"err-{uuid.uuid4().hex[:16]}"
-            log.warning("chat encoding failed [%s]", eid, exc_info=e)
-            raise APIError(400, f"messages: a message could not be encoded; check its shape "
-                                f"(error id {eid})", param="messages") from None
-        srv.check_chars(sum(len(t) for t, _ in parts), "messages")
-        try:
-            return tokenize_parts(parts, srv.tok)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-
-    ids = await srv.tokenize(encode)
+    ids = await srv.tokenize(lambda: encode_messages(srv, body, thinking, effort))
     srv.check_len(ids, "messages")
-    params = srv.params(body, len(ids), body.max_completion_tokens or body.max_tokens,
-                        (body.top_logprobs or 0) if body.logprobs else None)
-    events = RequestEvents(srv.worker, srv.metrics, raw, "chatcmpl", ids, params)
-    headers = srv.headers(resolved, {EFFORT_HEADER: str(effort) if thinking else "none"})
-    if not await events.admit():
-        return Response(status_code=499)
-    rid, created = events.rid, int(time.time())
 
-    def usage(out_ids: list[int]) -> Usage:
-        return Usage(prompt_tokens=len(ids), completion_tokens=len(out_ids),
-                     total_tokens=len(ids) + len(out_ids),
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=events.cached),
+    parallel = body.parallel_tool_calls is not False
+    forced = body.forced_tools()
+    auto = bool(body.tools) and body.tool_choice in (None, "auto")
+    if forced:
+        gparam = "tool_choice"
+        grammar = await srv.grammar((gparam, "json_schema", forced_schema(body.tools, body.tool_choice, parallel)))
+    else:
+        guided = body.guided()
+        gparam = guided[0] if guided else "response_format"
+        grammar = await srv.grammar(guided)
+    gate = srv.think_end_id if thinking else None
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = await srv.tokenize(lambda: srv.params(    # builds the grammar matcher: off the loop
+        body, ids, body.max_completion_tokens or body.max_tokens, top, grammar=grammar, grammar_param=gparam,
+        gate=gate))
+    group = Group(srv.worker, srv.metrics, raw, "chatcmpl", [(ids, params)])
+    headers = srv.headers(resolved, {EFFORT_HEADER: str(effort) if thinking else "none"})
+    if not await group.admit():
+        return Response(status_code=499)
+    rid, created = group.rid, int(time.time())
+
+    def usage(outs_ids: list[list[int]]) -> Usage:
+        n_out = sum(len(o) for o in outs_ids)
+        return Usage(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=group.cached()),
                      completion_tokens_details=CompletionTokensDetails(
-                         reasoning_tokens=reasoning_tokens(srv, out_ids, thinking)))
+                         reasoning_tokens=sum(reasoning_tokens(srv, o, thinking) for o in outs_ids)))
+
+    def calls_of(content: str) -> tuple[str | None, list[dict]]:
+        """(content left, tool calls) of a finished choice's content."""
+        if forced:
+            calls = parse_forced(content, body.tool_choice, parallel)
+            return (None, calls) if calls else (content, [])
+        if auto:
+            rest, calls = parse_tool_calls(content)
+            return rest, (calls if parallel else calls[:1])
+        return content, []
 
     if not body.stream:
-        out = await collect(events, bool(body.top_logprobs))
-        if out is None:
+        outs = await group.collect(bool(body.top_logprobs))
+        if outs is None:
             return Response(status_code=499)
-        reason = out.finish_reason
-        reasoning, content = parse_assistant(out.text, thinking=True) if thinking else ("", out.text)
-        tool_calls = None
-        if body.tools:
-            content, calls = parse_tool_calls(content)
-            if calls:
-                tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", **c} for c in calls]
-                reason = "tool_calls" if reason == "stop" else reason
-        msg = AssistantMessage(content=content, reasoning_content=reasoning if thinking else None,
-                               tool_calls=tool_calls)
-        lp = (ChoiceLogprobs(content=chat_logprobs(srv, out.token_ids, out.logprobs, out.top_logprobs))
-              if body.logprobs else None)
-        resp = ChatCompletionResponse(id=rid, created=created, model=resolved.requested,
-                                      choices=[ChatChoice(message=msg, logprobs=lp, finish_reason=reason)],
-                                      usage=usage(out.token_ids), warning=resolved.warning)
+        choices = []
+        for i, out in enumerate(best(outs, body.n)):
+            reason = out.finish_reason
+            reasoning, content = parse_assistant(out.text, thinking=True) if thinking else ("", out.text)
+            content, calls = calls_of(content)
+            if calls and reason == "stop":
+                reason = "tool_calls"
+            msg = AssistantMessage(content=content, reasoning_content=reasoning if thinking else None,
+                                   tool_calls=with_ids(calls) if calls else None)
+            lp = (ChoiceLogprobs(content=chat_logprobs(srv, out.token_ids, out.logprobs, out.top_logprobs))
+                  if body.logprobs else None)
+            choices.append(ChatChoice(index=i, message=msg, logprobs=lp, finish_reason=reason))
+        resp = ChatCompletionResponse(id=rid, created=created, model=resolved.requested, choices=choices,
+                                      usage=usage([o.token_ids for o in outs]), warning=resolved.warning)
         return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    split = ReasoningSplitter(thinking)
-    out_ids: list[int] = []
 
-    def chunk(delta: DeltaMessage, finish=None, logprobs=None, **kw) -> str:
+    class Choice:
+        def __init__(self):
+            self.split = ReasoningSplitter(thinking)
+            self.dsml = DSMLStream(parallel) if auto else None
+            self.forced = ForcedStream(body.tool_choice, parallel) if forced else None
+            self.out_ids, self.n_calls = [], 0
+
+        def content(self, dc: str, final: bool) -> tuple[str, list[dict]]:
+            if self.forced is not None:          # the JSON is the calls, not content
+                return "", self.forced.feed(dc)
+            if self.dsml is not None:
+                return self.dsml.feed(dc, final=final)
+            return dc, []
+
+        def tool_deltas(self, calls: list[dict]) -> list[dict]:
+            out = []
+            for c in with_ids(calls):
+                out.append({"index": self.n_calls, **c})
+                self.n_calls += 1
+            return out
+
+    seqs = [Choice() for _ in group.events]
+
+    def chunk(k: int, delta: DeltaMessage, finish=None, logprobs=None, **kw) -> str:
         return sse(ChatCompletionChunk(id=rid, created=created, model=resolved.requested,
-                                       choices=[ChatChunkChoice(delta=delta, logprobs=logprobs,
+                                       choices=[ChatChunkChoice(index=k, delta=delta, logprobs=logprobs,
                                                                 finish_reason=finish)], **kw))
 
-    def fmt(ev: Delta | Finished):
-        if isinstance(ev, Delta):
-            out_ids.extend(ev.token_ids)
-            dr, dc = split.feed(ev.text)
-            lp = (ChoiceLogprobs(content=chat_logprobs(srv, ev.token_ids, ev.logprobs, ev.top_logprobs))
-                  if body.logprobs else None)
-            if dr or dc or lp is not None:
-                yield chunk(DeltaMessage(reasoning_content=dr or None, content=dc or None), logprobs=lp)
+    def fmt(k: int, ev: Delta | Finished):
+        st = seqs[k]
+        final = isinstance(ev, Finished)
+        lp = None
+        if not final:
+            st.out_ids.extend(ev.token_ids)
+            dr, dc = st.split.feed(ev.text)
+            if body.logprobs:
+                lp = ChoiceLogprobs(content=chat_logprobs(srv, ev.token_ids, ev.logprobs, ev.top_logprobs))
         else:
-            dr, dc = split.finish()
-            if dr or dc:
-                yield chunk(DeltaMessage(reasoning_content=dr or None, content=dc or None))
-            yield chunk(DeltaMessage(), finish=ev.reason)
-            if include_usage:
-                yield sse(ChatCompletionChunk(id=rid, created=created, model=resolved.requested,
-                                              choices=[], usage=usage(out_ids)))
+            dr, dc = st.split.finish()
+        dc, calls = st.content(dc, final)
+        if dr or dc or lp is not None:
+            yield chunk(k, DeltaMessage(reasoning_content=dr or None, content=dc or None), logprobs=lp)
+        if calls:
+            yield chunk(k, DeltaMessage(tool_calls=st.tool_deltas(calls)))
+        if final:
+            reason = "tool_calls" if st.n_calls and ev.reason == "stop" else ev.reason
+            yield chunk(k, DeltaMessage(), finish=reason)
 
-    first = chunk(DeltaMessage(role="assistant", content=""), warning=resolved.warning)
-    return sse_response(events, fmt, headers, first=first)
+    def last():
+        if include_usage:
+            yield sse(ChatCompletionChunk(id=rid, created=created, model=resolved.requested, choices=[],
+                                          usage=usage([s.out_ids for s in seqs])))
+
+    first = "".join(chunk(k, DeltaMessage(role="assistant", content=""),
+                          warning=resolved.warning if k == 0 else None) for k in range(len(group.events)))
+    return group.stream(fmt, headers, first=first, last=last)

@@ -1,103 +1,290 @@
-"""POST /v1/completions: a text prompt (tokenized with a BOS) or a list of token ids, continued as
-plain text. Logprobs are OpenAI's legacy shape (tokens, token_logprobs, top_logprobs as
-{token: logprob}, text_offset).
+"""POST /v1/completions: prompts continued as plain text, and prompt scoring.
 
-A text prompt is plain text: special-token strings in it (`<｜User｜>`, `</think>`, ...) are
-tokenized as text, never as control tokens. The raw path is explicit: a prompt given as a list of
-token ids is used as is, control tokens included (that is how to send a pre-rendered chat prompt:
-`cedlm.text.chat.encode_chat_ids` or the tokenizer on the client side)."""
+`prompt` is a text, a list of token ids, or a list of either (one choice group per prompt, in
+order; choice `index` = prompt index x n + sample). A text prompt is tokenized with a BOS first
+(`add_special_tokens=false`: without it); a token-id prompt is used as is, control tokens included
+(that is how to send a pre-rendered chat prompt: `cedlm.text.chat.encode_chat_ids` or the
+tokenizer on the client side). Special-token strings in a text prompt (`<｜User｜>`, `</think>`,
+...) are tokenized as text, never as control tokens.
+
+Logprobs are OpenAI's legacy shape (tokens, token_logprobs, top_logprobs as {token: logprob},
+text_offset). Prompt scoring, as lm-evaluation-harness's `local-completions` backend uses it:
+`echo=true` puts the prompt before the completion, in the text and in the logprobs (the prompt's
+first token has no logprob: `None` in token_logprobs and top_logprobs; each prompt position's
+top_logprobs holds the top `logprobs` tokens plus the prompt's own token, as in vLLM);
+`max_tokens=0` scores without generating. vLLM's `prompt_logprobs=k` returns the choice's
+`prompt_logprobs` (`[None, {token id: {logprob, rank, decoded_token}}, ...]`). The engine computes
+prompt logprobs in the prefill pass (`SamplingParams.prompt_logprobs`).
+
+`n` and `best_of` as in OpenAI (best_of sequences sampled, the n with the highest cumulative
+logprob returned; not with streaming). `return_tokens_as_token_ids` (vLLM) writes tokens as
+`token_id:N`.
+"""
 from __future__ import annotations
 
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from cedlm.server.errors import APIError
+from cedlm.server.chat import best
+from cedlm.server.errors import APIError, new_request_id
 from cedlm.server.protocol import (
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptTokensDetails, Usage,
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptLogprob,
+    PromptTokensDetails, Usage,
 )
 from cedlm.server.state import ServerState, finite_logprob
-from cedlm.server.streaming import RequestEvents, collect, sse, sse_response
+from cedlm.server.streaming import DONE, Group, Output, sse
 from cedlm.server.worker import Delta, Finished
 
 router = APIRouter()
 
 
-def completion_logprobs(srv: ServerState, ids, lps, tops, offset: int) -> CompletionLogprobs:
-    """Logprobs of `ids`, whose text starts at character `offset` of the completion."""
-    out = CompletionLogprobs(top_logprobs=[] if tops is not None else None)
+# --------------------------------------------------------------------------- prompt logprobs
+
+
+def _num(x) -> float:
+    if hasattr(x, "logprob"):
+        x = x.logprob
+    return float(x.item() if hasattr(x, "item") else x)
+
+
+def prompt_entry(e, token_id: int) -> tuple[float | None, list[tuple[int, float]], int | None]:
+    """(logprob, top alternatives best first, rank) of one engine prompt-logprob entry: the
+    engine's `TokenLogprob` (token_id, logprob, rank, top_ids, top_logprobs), a vLLM-style dict
+    {id: logprob | Logprob}, or None."""
+    if e is None:
+        return None, [], None
+    if isinstance(e, dict):
+        top = sorted(((int(k), _num(v)) for k, v in e.items()), key=lambda p: -p[1])
+        own = dict(top).get(int(token_id))
+        return own, top, None
+    top_ids, top_lps = getattr(e, "top_ids", None) or [], getattr(e, "top_logprobs", None) or []
+    top = [(int(i), float(v)) for i, v in zip(_plain(top_ids), _plain(top_lps))]
+    return _num(e), top, getattr(e, "rank", None)
+
+
+def _plain(x) -> list:
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
+def scored_prompt(out: Output, ids: list[int]) -> list[tuple[float | None, list[tuple[int, float]], int | None]]:
+    entries = list(out.prompt_logprobs or [])
+    entries += [None] * (len(ids) - len(entries))
+    got = [prompt_entry(e, t) for e, t in zip(entries, ids)]
+    if got:
+        got[0] = (None, [], None)              # the first token has no context
+    return got
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _tok(srv: ServerState, i: int, as_ids: bool) -> str:
+    return f"token_id:{i}" if as_ids else srv.tok_text(i)
+
+
+def completion_logprobs(srv: ServerState, ids, lps, tops, offset: int, as_ids: bool = False,
+                        into: CompletionLogprobs | None = None) -> CompletionLogprobs:
+    """Logprobs of generated `ids`, whose text starts at character `offset` of the choice's text."""
+    out = into or CompletionLogprobs(top_logprobs=[] if tops is not None else None)
     for k, (i, lp) in enumerate(zip(ids, lps)):
         t = srv.tok_text(i)
-        out.tokens.append(t)
+        out.tokens.append(_tok(srv, i, as_ids))
         out.token_logprobs.append(finite_logprob(lp))
         out.text_offset.append(offset)
         offset += len(t)
-        if tops is not None:
-            out.top_logprobs.append({srv.tok_text(j): finite_logprob(v) for j, v in zip(*tops[k])})
+        if out.top_logprobs is not None:
+            top = tops[k] if tops is not None and k < len(tops) else ([], [])
+            out.top_logprobs.append({_tok(srv, j, as_ids): finite_logprob(v) for j, v in zip(*top)})
     return out
+
+
+def echo_logprobs(srv: ServerState, ids: list[int], scored, k: int, as_ids: bool) -> tuple[CompletionLogprobs, int]:
+    """The prompt part of an echoed choice's logprobs, and the text offset after it."""
+    out = CompletionLogprobs(top_logprobs=[] if k > 0 else None)
+    offset = 0
+    for pos, (i, (lp, top, _)) in enumerate(zip(ids, scored)):
+        out.tokens.append(_tok(srv, i, as_ids))
+        out.token_logprobs.append(None if pos == 0 or lp is None else finite_logprob(lp))
+        out.text_offset.append(offset)
+        offset += len(srv.tok_text(i))
+        if out.top_logprobs is not None:
+            if pos == 0:
+                out.top_logprobs.append(None)
+                continue
+            d = {_tok(srv, j, as_ids): finite_logprob(v) for j, v in top[:k]}
+            if lp is not None:
+                d.setdefault(_tok(srv, i, as_ids), finite_logprob(lp))
+            out.top_logprobs.append(d)
+    return out, offset
+
+
+def vllm_prompt_logprobs(srv: ServerState, ids: list[int], scored, k: int) -> list:
+    """vLLM's `prompt_logprobs`: [None, {str(id): {logprob, rank, decoded_token}}, ...]."""
+    res: list = []
+    for pos, (i, (lp, top, rank)) in enumerate(zip(ids, scored)):
+        if pos == 0:
+            res.append(None)
+            continue
+        d = {}
+        if lp is not None:
+            if rank is None:
+                rank = next((r + 1 for r, (j, _) in enumerate(top) if j == i), None)
+            d[str(i)] = PromptLogprob(logprob=finite_logprob(lp), rank=rank, decoded_token=srv.tok_text(i))
+        for r, (j, v) in enumerate(top[:k]):
+            d.setdefault(str(j), PromptLogprob(logprob=finite_logprob(v), rank=r + 1, decoded_token=srv.tok_text(j)))
+        res.append(d)
+    return res
+
+
+# --------------------------------------------------------------------------- the route
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, raw: Request):
     srv: ServerState = raw.app.state.server
     resolved = srv.resolve(body.model)
-    prompt = body.prompt
-    if isinstance(prompt, str):
+    prompts = body.prompts()
+    texts = [p for p in prompts if isinstance(p, str)]
+    if texts:
         if srv.tok is None:
             raise APIError(400, "prompt: this model has no tokenizer; send token ids", param="prompt")
-        srv.check_chars(len(prompt), "prompt")
-        tok = srv.tok
-        ids = await srv.tokenize(lambda: [tok.bos_id] + tok.encode_plain(prompt))
-    else:
-        ids = [int(t) for t in prompt]
-    srv.check_len(ids, "prompt")
-    params = srv.params(body, len(ids), body.max_tokens, body.logprobs)
-    events = RequestEvents(srv.worker, srv.metrics, raw, "cmpl", ids, params)
+        srv.check_chars(sum(len(t) for t in texts), "prompt")
+    tok = srv.tok
+    bos = body.add_special_tokens
+
+    def tokenize_all() -> list[list[int]]:
+        return [(([tok.bos_id] if bos else []) + tok.encode_plain(p)) if isinstance(p, str) else [int(t) for t in p]
+                for p in prompts]
+
+    ids_list = await srv.tokenize(tokenize_all) if texts else tokenize_all()
+    for ids in ids_list:
+        if not ids:
+            raise APIError(400, "prompt: empty prompt (no tokens)", param="prompt")
+        srv.check_len(ids, "prompt")
+    echo_texts = [p if isinstance(p, str) else (tok.decode(ids) if tok is not None else "")
+                  for p, ids in zip(prompts, ids_list)] if body.echo else None
+
+    score_k = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:
+        score_k = max(score_k or 0, body.logprobs)
+    want, n = max(body.n, body.best_of or 1), body.n
+    as_ids = body.return_tokens_as_token_ids
     headers = srv.headers(resolved)
-    if not await events.admit():
+    created = int(time.time())
+
+    if body.max_tokens == 0 and score_k is None:          # echo alone: nothing to run
+        return _echo_only(srv, body, resolved, headers, created, ids_list, echo_texts)
+
+    grammar = None
+    guided = body.guided()
+    if guided is not None:
+        grammar = await srv.grammar(guided)
+    jobs = await srv.tokenize(lambda: [     # builds the grammar matchers: off the loop
+        (ids, srv.params(body, ids, body.max_tokens, body.logprobs, grammar=grammar,
+                         grammar_param=guided[0] if guided else "response_format", prompt_logprobs=score_k))
+        for ids in ids_list])
+    group = Group(srv.worker, srv.metrics, raw, "cmpl", jobs)
+    if not await group.admit():
         return Response(status_code=499)
-    rid, created = events.rid, int(time.time())
+    rid = group.rid
 
     def usage(n_out: int) -> Usage:
-        return Usage(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=events.cached))
+        n_prompt = sum(len(ids) for ids in ids_list)
+        cached = sum(group.cached(p) for p in range(len(ids_list)))
+        return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    def prompt_part(p: int, out: Output) -> tuple[str, CompletionLogprobs | None, int, list | None]:
+        """(echo text, echo logprobs, text offset after it, vLLM prompt_logprobs) of a choice."""
+        ids = ids_list[p]
+        scored = scored_prompt(out, ids) if score_k is not None else None
+        plp = vllm_prompt_logprobs(srv, ids, scored, body.prompt_logprobs) if body.prompt_logprobs is not None else None
+        if not body.echo:
+            return "", None, 0, plp
+        lp = None
+        if body.logprobs is not None:
+            lp, _ = echo_logprobs(srv, ids, scored, body.logprobs, as_ids)
+        return echo_texts[p], lp, len(echo_texts[p]), plp
 
     if not body.stream:
-        out = await collect(events, bool(body.logprobs))
-        if out is None:
+        outs = await group.collect(bool(body.logprobs))
+        if outs is None:
             return Response(status_code=499)
-        lp = (completion_logprobs(srv, out.token_ids, out.logprobs, out.top_logprobs, 0)
-              if body.logprobs is not None else None)
-        resp = CompletionResponse(id=rid, created=created, model=resolved.requested,
-                                  choices=[CompletionChoice(text=out.text, logprobs=lp,
-                                                            finish_reason=out.finish_reason)],
-                                  usage=usage(len(out.token_ids)), warning=resolved.warning)
+        choices = []
+        for p in range(len(ids_list)):
+            for j, out in enumerate(best(outs[p * want:(p + 1) * want], n)):
+                pre, lp, offset, plp = prompt_part(p, out)
+                if body.logprobs is not None:
+                    lp = completion_logprobs(srv, out.token_ids, out.logprobs, out.top_logprobs, offset, as_ids,
+                                             into=lp)
+                choices.append(CompletionChoice(index=p * n + j, text=pre + out.text, logprobs=lp,
+                                                finish_reason=out.finish_reason, prompt_logprobs=plp))
+        resp = CompletionResponse(id=rid, created=created, model=resolved.requested, choices=choices,
+                                  usage=usage(sum(len(o.token_ids) for o in outs)), warning=resolved.warning)
         return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    n_out, offset, first = 0, 0, True
+    n_out = [0] * len(group.events)
+    offset = [0] * len(group.events)
+    started = [False] * len(group.events)
+    warned = [False]
 
-    def chunk(text: str, finish=None, logprobs=None, **kw) -> str:
-        return sse(CompletionResponse(id=rid, created=created, model=resolved.requested,
-                                      choices=[CompletionChoice(text=text, logprobs=logprobs,
-                                                                finish_reason=finish)], **kw))
+    def chunk(k: int, text: str, finish=None, logprobs=None, plp=None) -> str:
+        w = None
+        if not warned[0]:
+            w, warned[0] = resolved.warning, True
+        return sse(CompletionResponse(id=rid, created=created, model=resolved.requested, warning=w,
+                                      choices=[CompletionChoice(index=k, text=text, logprobs=logprobs,
+                                                                finish_reason=finish, prompt_logprobs=plp)]))
 
-    def fmt(ev: Delta | Finished):
-        nonlocal n_out, offset, first
+    def fmt(k: int, ev: Delta | Finished):
+        p = k // want
+        if not started[k]:
+            started[k] = True
+            if body.echo or body.prompt_logprobs is not None:
+                pre, lp, offset[k], plp = prompt_part(p, Output(prompt_logprobs=ev.prompt_logprobs))
+                yield chunk(k, pre, logprobs=lp, plp=plp)
         if isinstance(ev, Delta):
-            n_out += len(ev.token_ids)
-            lp = (completion_logprobs(srv, ev.token_ids, ev.logprobs, ev.top_logprobs, offset)
+            n_out[k] += len(ev.token_ids)
+            lp = (completion_logprobs(srv, ev.token_ids, ev.logprobs, ev.top_logprobs, offset[k], as_ids)
                   if body.logprobs is not None else None)
-            offset += len(ev.text)
-            if ev.text or lp is not None or first:
-                yield chunk(ev.text, logprobs=lp, warning=resolved.warning if first else None)
-                first = False
+            offset[k] += len(ev.text)
+            if ev.text or lp is not None:
+                yield chunk(k, ev.text, logprobs=lp)
         else:
-            yield chunk("", finish=ev.reason, warning=resolved.warning if first else None)
-            if include_usage:
-                yield sse({"id": rid, "object": "text_completion", "created": created,
-                           "model": resolved.requested, "choices": [],
-                           "usage": usage(n_out).model_dump(exclude_none=True)})
+            yield chunk(k, "", finish=ev.reason)
 
-    return sse_response(events, fmt, headers)
+    def last():
+        if include_usage:
+            yield sse({"id": rid, "object": "text_completion", "created": created,
+                       "model": resolved.requested, "choices": [],
+                       "usage": usage(sum(n_out)).model_dump(exclude_none=True)})
+
+    return group.stream(fmt, headers, last=last)
+
+
+def _echo_only(srv, body, resolved, headers, created, ids_list, echo_texts):
+    """echo=true, max_tokens=0, no logprobs: the prompts themselves, without running the engine."""
+    rid = new_request_id("cmpl")
+    n_prompt = sum(len(ids) for ids in ids_list)
+    choices = [CompletionChoice(index=p * body.n + j, text=echo_texts[p], finish_reason="length")
+               for p in range(len(ids_list)) for j in range(body.n)]
+    usage = Usage(prompt_tokens=n_prompt, completion_tokens=0, total_tokens=n_prompt,
+                  prompt_tokens_details=PromptTokensDetails(cached_tokens=0))
+    resp = CompletionResponse(id=rid, created=created, model=resolved.requested, choices=choices, usage=usage,
+                              warning=resolved.warning)
+    if not body.stream:
+        return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
+
+    def body_iter():
+        for c in choices:
+            yield sse(CompletionResponse(id=rid, created=created, model=resolved.requested, choices=[c],
+                                         warning=resolved.warning if c.index == 0 else None))
+        if body.stream_options and body.stream_options.include_usage:
+            yield sse({"id": rid, "object": "text_completion", "created": created, "model": resolved.requested,
+                       "choices": [], "usage": usage.model_dump(exclude_none=True)})
+        yield DONE
+    return StreamingResponse(body_iter(), media_type="text/event-stream", headers=headers)
+

@@ -7,19 +7,31 @@ renders token ids for logprobs. Engine sizes are read once, through `engine.max_
 Tokenization runs in a worker thread (`tokenize`), never on the event loop, and a text that
 cannot fit the prompt limit is refused before it is tokenized: a plain token covers at most
 `max_token_chars` characters, so a text longer than 4 x that x the limit cannot fit.
+
+`params` maps a request onto `SamplingParams`: n, best_of, the presence / frequency /
+repetition penalties, logit_bias, allowed_token_ids and prompt_logprobs go to the engine's own
+fields; structured output, `min_tokens` and `min_p` are logits processors (`constrain.py`) on its
+`logits_processors` hook. A value the engine build cannot carry is a 400 naming the field, never
+silently dropped. A request without `max_tokens` gets the operator's `default_max_tokens`
+(`cedlm serve --default-max-tokens`), within the context left.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, TypeVar
+import dataclasses
+from typing import Any, Callable, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
 from cedlm.engine.sampling_params import SamplingParams
 from cedlm.server.aliases import DEPRECATION_HEADER, AliasTable, ModelNotFound, Resolved
+from cedlm.server.constrain import GrammarError, Grammars, MinPProcessor, MinTokensProcessor
 from cedlm.server.errors import APIError, model_not_found
 from cedlm.server.metrics import Metrics
 from cedlm.server.worker import EngineWorker
+from cedlm.text.chat import THINK_END
+
+DEFAULT_MAX_TOKENS = 256      # `cedlm serve --default-max-tokens`: returns in seconds on a 2-core CPU
 
 
 T = TypeVar("T")
@@ -36,10 +48,20 @@ def _max_token_chars(tok) -> int | None:
         return None
 
 
+def engine_fields() -> set[str]:
+    """The fields the engine's SamplingParams has (read per request: the engine grows)."""
+    return {f.name for f in dataclasses.fields(SamplingParams)}
+
+
 class ServerState:
     def __init__(self, engine, tokenizer, aliases: AliasTable, worker: EngineWorker, metrics: Metrics,
-                 max_prompt_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
         self.tok, self.aliases, self.worker, self.metrics = tokenizer, aliases, worker, metrics
+        self.default_max_tokens = default_max_tokens
+        model_cfg = getattr(getattr(engine, "model", None), "cfg", None)
+        self.vocab_size = int(getattr(model_cfg, "vocab_size", 0) or (tokenizer.vocab_size if tokenizer else 0))
+        self.grammars = Grammars(tokenizer, self.vocab_size) if tokenizer is not None else None
+        self.think_end_id = tokenizer.token_to_id(THINK_END) if tokenizer is not None else None
         self.max_model_len = engine.max_model_len
         self.max_prompt_tokens = min(self.max_model_len, max_prompt_tokens or self.max_model_len)
         self.pool_tokens = engine.snapshot().pool_tokens
@@ -49,7 +71,7 @@ class ServerState:
             tokenizer.encode_plain("")         # build the plain encoder now, not in a request
 
     async def tokenize(self, fn: Callable[[], T]) -> T:
-        """Run a tokenizing function off the event loop."""
+        """Run a tokenizing (or grammar-compiling) function off the event loop."""
         return await run_in_threadpool(fn)
 
     def check_chars(self, n_chars: int, param: str) -> None:
@@ -73,18 +95,90 @@ class ServerState:
             raise APIError(400, f"{param}: the prompt has {len(ids)} tokens, more than {limit}", param=param,
                            code="context_length_exceeded")
 
-    def params(self, body, n_prompt: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if max_tokens is None:
-            max_tokens = max(1, min(self.max_model_len, self.pool_tokens) - n_prompt)
+    async def grammar(self, guided: tuple[str, str, Any] | None) -> str | None:
+        """Compile a request's output constraint (param, kind, value) off the event loop; a bad
+        one is a 400 naming param."""
+        if guided is None:
+            return None
+        param, kind, value = guided
+        if self.grammars is None or not self.grammars.available:
+            raise APIError(400, f"{param}: structured output needs a tokenizer and the llguidance package",
+                           param=param)
+
+        def build() -> str:
+            g = self.grammars
+            if kind == "json_object":
+                return g.json_schema({"type": "object"}, param)
+            if kind == "json_schema":
+                return g.json_schema(value, param)
+            if kind == "regex":
+                return g.regex(value, param)
+            if kind == "choice":
+                return g.choice(value, param)
+            return g.lark(value, param)
         try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=0 if body.top_k is None else body.top_k,
-                seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
-                ignore_eos=body.ignore_eos, logprobs=logprobs,
-                include_stop_str_in_output=body.include_stop_str_in_output, cache_salt=body.cache_salt)
+            return await run_in_threadpool(build)
+        except GrammarError as e:
+            raise APIError(400, str(e), param=e.param) from None
+
+    def max_tokens_for(self, max_tokens: int | None, n_prompt: int) -> int:
+        left = max(1, min(self.max_model_len, self.pool_tokens) - n_prompt)
+        if max_tokens is not None:
+            return max_tokens
+        return min(left, self.default_max_tokens) if self.default_max_tokens else left
+
+    def params(self, body, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None, *,
+               grammar: str | None = None, grammar_param: str = "response_format", gate: int | None = None,
+               prompt_logprobs: int | None = None) -> SamplingParams:
+        """SamplingParams of one prompt (its n / best_of samples run as one engine group; sample
+        i gets seed + i). The grammar processor is built here, fresh for each prompt."""
+        fields = engine_fields()
+        temperature = 1.0 if body.temperature is None else body.temperature
+        kw: dict[str, Any] = dict(
+            max_tokens=self.max_tokens_for(max_tokens, len(prompt_ids)),
+            temperature=temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos, logprobs=logprobs,
+            include_stop_str_in_output=body.include_stop_str_in_output, cache_salt=body.cache_salt)
+        native = {"n": (body.n, 1), "best_of": (body.best_of, None),
+                  "presence_penalty": (body.presence_penalty, 0.0), "frequency_penalty": (body.frequency_penalty, 0.0),
+                  "repetition_penalty": (body.repetition_penalty, 1.0), "logit_bias": (body.logit_bias or None, None),
+                  "allowed_token_ids": (body.allowed_token_ids, None), "prompt_logprobs": (prompt_logprobs, None)}
+        for name, (v, neutral) in native.items():
+            if v is None or v == neutral:
+                continue
+            if name not in fields:
+                param = "echo" if name == "prompt_logprobs" and getattr(body, "echo", False) else name
+                raise APIError(400, f"{param}: not supported by this engine build (cedlm.engine.SamplingParams "
+                                    f"has no {name})", param=param)
+            kw[name] = v
+        procs: list = []
+        hooked: list[str] = []             # the parameters that need the logits_processors hook
+        if grammar is not None:
+            if body.ignore_eos:
+                raise APIError(400, "ignore_eos: cannot be combined with structured output or a forced "
+                                    "tool call (the output ends where the grammar does)", param="ignore_eos")
+            try:
+                procs.append(self.grammars.processor(grammar, grammar_param, gate))
+            except GrammarError as e:
+                raise APIError(400, str(e), param=e.param) from None
+            hooked.append(grammar_param)
+        if body.min_tokens:
+            eos = [self.tok.eos_id] if self.tok is not None and not body.ignore_eos else []
+            procs.append(MinTokensProcessor(body.min_tokens, eos + list(body.stop_token_ids or [])))
+            hooked.append("min_tokens")
+        if body.min_p:
+            procs.append(MinPProcessor(body.min_p, temperature))
+            hooked.append("min_p")
+        if procs:
+            if "logits_processors" not in fields:
+                raise APIError(400, f"{hooked[0]}: not supported by this engine build (cedlm.engine.SamplingParams "
+                                    f"has no logits_processors hook)", param=hooked[0])
+            kw["logits_processors"] = procs
+        try:
+            return SamplingParams(**kw)
         except ValueError as e:
             msg = str(e)
             raise APIError(400, msg, param=msg.split(" ", 1)[0].rstrip(":")) from None

@@ -1,15 +1,19 @@
-"""One request's engine events, as the chat and completions handlers see them.
+"""The engine events of one HTTP request's sequences, as the chat and completions handlers see them.
 
-`RequestEvents` submits a request to the engine worker and is an async iterator over the events
-the worker publishes for it: `Admitted` (always first unless `Failed`), then `Delta`s, then
-`Finished`; or a single `Failed`. Iteration ends after `Finished` / `Failed`, or early when the
-client disconnects; then the request is aborted (its KV blocks are freed by the engine thread) and
-counted in the disconnect metric.
+One HTTP request may run several engine requests: one per sample (``n``, ``best_of``: the
+samples of a prompt are one engine group, prefilled once) and per prompt (a list of prompts on
+/v1/completions). `Group` submits them and holds them. Each `RequestEvents` is an async iterator
+over the events the worker publishes for one sample: `Admitted` (always first unless `Failed`), then `Delta`s, then `Finished`; or a single
+`Failed`. Iteration ends after `Finished` / `Failed`, or early when the client disconnects; then
+every request of the group is aborted (their KV blocks are freed by the engine thread) and counted
+in the disconnect metric.
 
-Both endpoints use the same iterator for both response kinds and only format its events:
-`admit` waits for admission (a refusal is raised as an `APIError`, so it is an HTTP error, not a
-stream), `collect` gathers the rest into an `Output` for a JSON response, and `sse_response`
-streams it as server-sent events, the formatter turning each `Delta` / `Finished` into chunks.
+Both endpoints format the same events for both response kinds: `Group.admit` submits every
+sequence and waits until all are admitted (a refusal of any is raised as an `APIError`, so it is
+an HTTP error, not a stream, and the others are aborted), `Group.collect` gathers the rest into
+one `Output` per sequence for a JSON response, and `Group.stream` streams them as server-sent
+events, merged in arrival order, the formatter turning each `(sequence, Delta | Finished)` into
+chunks.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from fastapi.responses import StreamingResponse
 
 from cedlm.engine.sampling_params import SamplingParams
 from cedlm.server.errors import APIError
-from cedlm.server.worker import Admitted, Delta, Failed, Finished
+from cedlm.server.worker import Admitted, Delta, Failed, Finished, sample_ids
 
 DONE = "data: [DONE]\n\n"
 _DISCONNECTED = object()
@@ -37,30 +41,18 @@ def sse(obj) -> str:
 
 
 class RequestEvents:
-    """The events of one request (see the module docstring); `close()` when done with it.
+    """The events of one engine request (one sample of a prompt; see the module docstring), read
+    from the queue the worker publishes them on; `close()` when done with it."""
 
-    While watching (from the first event on), a task reads the ASGI `receive` channel to notice a
-    disconnect. `sse_response` stops it: Starlette's StreamingResponse watches for the disconnect
-    itself and cancels the stream, and two readers of `receive` would compete for the message.
-    """
-
-    def __init__(self, worker, metrics, raw: Request, prefix: str, prompt_ids: list[int],
-                 params: SamplingParams):
-        self.worker, self.metrics, self.raw = worker, metrics, raw
-        self.rid = f"{prefix}-{uuid.uuid4().hex}"
-        self.prompt_ids, self.params = prompt_ids, params
+    def __init__(self, worker, metrics, rid: str, q: asyncio.Queue):
+        self.worker, self.metrics, self.rid, self.q = worker, metrics, rid, q
         self.cached = 0                # prompt tokens served by the prefix cache (from Admitted)
         self.done = False
-        self.q: asyncio.Queue | None = None
-        self.watcher: asyncio.Task | None = None
 
     def __aiter__(self) -> "RequestEvents":
         return self
 
     async def __anext__(self) -> Admitted | Delta | Finished | Failed:
-        if self.q is None:
-            self.q = self.worker.submit(self.rid, self.prompt_ids, self.params)
-            self.watch(True)
         if self.done:
             raise StopAsyncIteration
         ev = await self.q.get()
@@ -73,34 +65,11 @@ class RequestEvents:
             self.done = True
         return ev
 
-    async def _watch(self) -> None:
-        while True:
-            msg = await self.raw.receive()
-            if msg["type"] == "http.disconnect":
-                self.q.put_nowait(_DISCONNECTED)
-                return
-
-    def watch(self, on: bool) -> None:
-        if on and self.watcher is None:
-            self.watcher = asyncio.ensure_future(self._watch())
-        elif not on and self.watcher is not None:
-            self.watcher.cancel()
-            self.watcher = None
-
-    async def admit(self) -> bool:
-        """Submit and wait until admitted. False: the client went away. Raises APIError (400/429...)."""
-        ev = await anext(self, None)
-        if ev is None:
-            return False
-        if isinstance(ev, Failed):
-            self.close()
-            raise APIError.from_failed(ev)
-        assert isinstance(ev, Admitted), ev
-        return True
+    def disconnected(self) -> None:
+        self.q.put_nowait(_DISCONNECTED)
 
     def close(self) -> None:
-        self.watch(False)
-        if not self.done and self.q is not None:   # the client went away (or the handler was cancelled)
+        if not self.done:              # the client went away (or the handler was cancelled)
             self.done = True
             self.metrics.disconnects.inc()
             self.worker.abort(self.rid)
@@ -108,55 +77,155 @@ class RequestEvents:
 
 @dataclass
 class Output:
-    """A finished request's output, gathered from its deltas."""
+    """A finished sequence's output, gathered from its deltas."""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list | None = None         # [(ids, logprobs)] per token when asked for
     finish_reason: str | None = None
+    prompt_logprobs: list | None = None      # the engine's entries, when asked for
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return float(sum(self.logprobs))
 
 
-async def collect(events: RequestEvents, want_top: bool) -> Output | None:
-    """The events of an admitted request until it finishes; None when the client went away (the
-    request is aborted). Raises APIError when the engine failed it."""
-    out = Output(top_logprobs=[] if want_top else None)
-    try:
-        async for ev in events:
-            if isinstance(ev, Failed):
-                raise APIError.from_failed(ev)
-            if isinstance(ev, Delta):
-                out.text += ev.text
-                out.token_ids += ev.token_ids
-                out.logprobs += ev.logprobs
-                if out.top_logprobs is not None and ev.top_logprobs:
-                    out.top_logprobs += ev.top_logprobs
-            elif isinstance(ev, Finished):
-                out.finish_reason = ev.reason
-                return out
-        return None
-    finally:
-        events.close()
+class Group:
+    """The engine requests of one HTTP request (module docstring). `prompts` = [(prompt ids,
+    params)]; prompt p runs `params.num_samples` samples as one engine group, under the engine id
+    `rid` (one prompt) or `f"{rid}-p{p}"`. `events` lists every sample, prompt by prompt; `first[p]`
+    is the index of prompt p's first sample."""
 
+    def __init__(self, worker, metrics, raw: Request, prefix: str,
+                 prompts: list[tuple[list[int], SamplingParams]]):
+        self.worker, self.raw, self.metrics = worker, raw, metrics
+        self.rid = f"{prefix}-{uuid.uuid4().hex}"
+        self.prompts = prompts
+        self.events: list[RequestEvents] = []
+        self.first: list[int] = []
+        self.watcher: asyncio.Task | None = None
 
-def sse_response(events: RequestEvents, fmt: Callable[[Delta | Finished], Iterable[str]],
-                 headers: dict, first: str | None = None) -> StreamingResponse:
-    """Stream an admitted request: `first` (if any), `fmt(event)` for each Delta and the Finished,
-    then `data: [DONE]`. An engine failure ends the stream with an error event and no [DONE]."""
-    events.watch(False)          # from here StreamingResponse watches for the disconnect
+    def submit(self) -> None:
+        for p, (ids, params) in enumerate(self.prompts):
+            gid = self.rid if len(self.prompts) == 1 else f"{self.rid}-p{p}"
+            qs = self.worker.submit_samples(gid, ids, params)
+            self.first.append(len(self.events))
+            self.events += [RequestEvents(self.worker, self.metrics, rid, q)
+                            for rid, q in zip(sample_ids(gid, len(qs)), qs)]
 
-    async def body():
+    def cached(self, p: int = 0) -> int:
+        """Prompt tokens of prompt p served by the prefix cache (from its first sample)."""
+        return self.events[self.first[p]].cached
+
+    async def _watch(self) -> None:
+        while True:
+            msg = await self.raw.receive()
+            if msg["type"] == "http.disconnect":
+                for e in self.events:
+                    e.disconnected()
+                return
+
+    def watch(self, on: bool) -> None:
+        """Watch the ASGI `receive` channel for a disconnect (only while nobody else reads it:
+        `stream` stops it, since Starlette's StreamingResponse watches for the disconnect itself)."""
+        if on and self.watcher is None:
+            self.watcher = asyncio.ensure_future(self._watch())
+        elif not on and self.watcher is not None:
+            self.watcher.cancel()
+            self.watcher = None
+
+    def close(self) -> None:
+        self.watch(False)
+        for e in self.events:
+            e.close()
+
+    async def admit(self) -> bool:
+        """Submit every sequence and wait until all are admitted. False: the client went away.
+        Raises APIError (400/429...) when any is refused (the others are aborted)."""
+        self.submit()
+        self.watch(True)
         try:
-            if first is not None:
-                yield first
-            async for ev in events:
+            for e in self.events:
+                ev = await anext(e, None)
+                if ev is None:
+                    self.close()
+                    return False
                 if isinstance(ev, Failed):
-                    yield sse(APIError.from_failed(ev).body())
-                    return
-                for s in fmt(ev):
-                    yield s
-                if isinstance(ev, Finished):
-                    yield DONE
-        finally:
-            events.close()
+                    self.close()
+                    raise APIError.from_failed(ev)
+                assert isinstance(ev, Admitted), ev
+        except BaseException:
+            self.close()
+            raise
+        return True
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+    async def collect(self, want_top: bool) -> list[Output] | None:
+        """Every sequence's output once all finish; None when the client went away (all are
+        aborted). Raises APIError when the engine failed one (the others are aborted)."""
+        async def one(e: RequestEvents) -> Output | None:
+            out = Output(top_logprobs=[] if want_top else None)
+            async for ev in e:
+                if isinstance(ev, Failed):
+                    raise APIError.from_failed(ev)
+                if isinstance(ev, (Delta, Finished)) and ev.prompt_logprobs is not None:
+                    out.prompt_logprobs = ev.prompt_logprobs
+                if isinstance(ev, Delta):
+                    out.text += ev.text
+                    out.token_ids += ev.token_ids
+                    out.logprobs += ev.logprobs
+                    if out.top_logprobs is not None and ev.top_logprobs:
+                        out.top_logprobs += ev.top_logprobs
+                elif isinstance(ev, Finished):
+                    out.finish_reason = ev.reason
+                    return out
+            return None
+        tasks = [asyncio.ensure_future(one(e)) for e in self.events]
+        try:
+            outs = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.close()
+        return None if any(o is None for o in outs) else list(outs)
+
+    def stream(self, fmt: Callable[[int, Delta | Finished], Iterable[str]], headers: dict,
+               first: str | None = None, last: Callable[[], Iterable[str]] | None = None) -> StreamingResponse:
+        """Stream the admitted sequences: `first` (if any), `fmt(k, event)` for each Delta and
+        Finished of sequence k, in arrival order, then `last()` once all finished, then
+        `data: [DONE]`. An engine failure ends the stream with an error event and no [DONE]."""
+        self.watch(False)          # from here StreamingResponse watches for the disconnect
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k: int, e: RequestEvents) -> None:
+            try:
+                async for ev in e:
+                    await merged.put((k, ev))
+            finally:
+                await merged.put((k, None))
+
+        async def body():
+            tasks = [asyncio.ensure_future(pump(k, e)) for k, e in enumerate(self.events)]
+            try:
+                if first is not None:
+                    yield first
+                live = len(tasks)
+                while live:
+                    k, ev = await merged.get()
+                    if ev is None:
+                        live -= 1
+                        continue
+                    if isinstance(ev, Failed):
+                        yield sse(APIError.from_failed(ev).body())
+                        return
+                    for s in fmt(k, ev):
+                        yield s
+                if all(e.done for e in self.events):
+                    for s in (last() if last is not None else ()):
+                        yield s
+                    yield DONE
+            finally:
+                for t in tasks:
+                    t.cancel()
+                self.close()
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)

@@ -8,7 +8,14 @@ request's asyncio.Queue with `loop.call_soon_threadsafe`:
     Admitted(cached_tokens)        the scheduler took it (KV reserved); always first, unless Failed
     Delta(text, token_ids, ...)    growth since the last event (text = growth of Request.text)
     Finished(reason, ...)          last event
+                                   (the first Delta, or the Finished when no token was sampled,
+                                   carries `prompt_logprobs` when the request asked for them)
     Failed(status, message, ...)   instead of any of the above (400 rejected, 429 full, 500)
+
+A request of several samples (`SamplingParams.n` / `best_of`) is one engine group
+(`Engine.add_samples`: the prompt is prefilled once): `submit_samples` returns one queue per
+sample, and each sample's events are published on its own queue like a request's; a sample that
+waits for the group's prefill counts as admitted once the first sample is.
 
 Admission control: at most `max_waiting` requests wait in the scheduler when the engine cannot
 admit at once (more -> 429 at submit), and a request not admitted within `queue_timeout` seconds
@@ -64,6 +71,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[tuple[list[int], list[float]]] | None
+    prompt_logprobs: list | None = None     # once, on the first event after the prompt was scored
 
 
 @dataclass
@@ -72,6 +80,7 @@ class Finished:
     num_prompt: int
     num_output: int
     cached_tokens: int
+    prompt_logprobs: list | None = None     # when no Delta carried them
 
 
 @dataclass
@@ -91,9 +100,11 @@ class _Track:
     q: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     submitted: float
+    leader: "_Track | None" = None       # sample 0 of the group, for the other samples
     admitted: bool = False
     cached: int = 0
     sent_text: int = 0
+    sent_prompt_lps: bool = False
     sent_tokens: int = 0
 
 
@@ -102,9 +113,19 @@ class _Submit:
     request_id: str
     prompt_ids: list[int]
     params: Any
-    q: asyncio.Queue
+    qs: list[asyncio.Queue]              # one per sample (SamplingParams.n / best_of)
     loop: asyncio.AbstractEventLoop
     submitted: float = field(default_factory=time.monotonic)
+
+
+def sample_ids(request_id: str, k: int) -> list[str]:
+    """The engine ids of a request's k samples (`Engine.add_samples`)."""
+    return [request_id] if k == 1 else [f"{request_id}-{i}" for i in range(k)]
+
+
+def _as_list(x) -> list:
+    """A tensor or a sequence as a plain list (the engine may hand either)."""
+    return x.tolist() if hasattr(x, "tolist") else list(x)
 
 
 def _param_of(message: str) -> str | None:
@@ -196,15 +217,22 @@ class EngineWorker:
 
     def submit(self, request_id: str, prompt_ids: list[int], params) -> asyncio.Queue:
         """Queue a request; returns the asyncio.Queue its events arrive on (call from the loop)."""
+        return self.submit_samples(request_id, prompt_ids, params)[0]
+
+    def submit_samples(self, request_id: str, prompt_ids: list[int], params) -> list[asyncio.Queue]:
+        """Queue a request of `params.num_samples` samples (n / best_of; one engine group:
+        `Engine.add_samples`); returns one asyncio.Queue per sample, in sample order. The samples'
+        engine ids are `sample_ids(request_id, k)`."""
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        qs: list[asyncio.Queue] = [asyncio.Queue() for _ in range(getattr(params, "num_samples", 1))]
         with self._lock:
             if self._failed is not None:
-                q.put_nowait(self._failed_event())
-                return q
-            self._cmds.put(("add", _Submit(request_id, list(prompt_ids), params, q, loop)))
+                for q in qs:
+                    q.put_nowait(self._failed_event())
+                return qs
+            self._cmds.put(("add", _Submit(request_id, list(prompt_ids), params, qs, loop)))
         self._wake.set()
-        return q
+        return qs
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
@@ -321,10 +349,11 @@ class EngineWorker:
                 log.exception("on_failed callback raised")
 
     def _send(self, t, ev) -> None:
-        try:
-            t.loop.call_soon_threadsafe(t.q.put_nowait, ev)
-        except RuntimeError:                      # the handler's loop is gone
-            pass
+        for q in (t.qs if isinstance(t, _Submit) else [t.q]):
+            try:
+                t.loop.call_soon_threadsafe(q.put_nowait, ev)
+            except RuntimeError:                  # the handler's loop is gone
+                pass
 
     def _drain(self) -> None:
         while True:
@@ -374,7 +403,10 @@ class EngineWorker:
                          f"retry after {self.retry_after} s",
                     code="rate_limit_exceeded", type="rate_limit_error", retry_after=self.retry_after))
                 return
-            req = self.engine.add_request(sub.prompt_ids, sub.params, sub.request_id)
+            if len(sub.qs) > 1:
+                reqs = self.engine.add_samples(sub.prompt_ids, sub.params, sub.request_id)
+            else:
+                reqs = [self.engine.add_request(sub.prompt_ids, sub.params, sub.request_id)]
         except RequestRejected as e:
             msg = str(e)
             code = "context_length_exceeded" if "max_model_len" in msg else "request_too_large"
@@ -388,10 +420,14 @@ class EngineWorker:
             log.error("adding request %s failed", sub.request_id, exc_info=e)
             self.errors["request"] += 1
             self._note(f"adding a request failed (request id {sub.request_id})")
-            self._abort(sub.request_id)
+            for rid in sample_ids(sub.request_id, len(sub.qs)):
+                self._abort(rid)
             self._send(sub, self._internal(sub.request_id))
             return
-        self._tracked[sub.request_id] = _Track(req, sub.q, sub.loop, sub.submitted)
+        leader = None
+        for req, q in zip(reqs, sub.qs):
+            t = self._tracked[req.request_id] = _Track(req, q, sub.loop, sub.submitted, leader)
+            leader = leader or t
 
     def _expire(self) -> None:
         if self.queue_timeout is None:
@@ -434,21 +470,28 @@ class EngineWorker:
             del self._tracked[rid]
             self._send(t, self._internal(rid))
             return True
-        if not t.admitted and (r.status is not Status.WAITING or r.output_ids or r.finished):
+        if not t.admitted and (r.status is not Status.WAITING or r.output_ids or r.finished
+                               or (t.leader is not None and t.leader.admitted)):
             t.admitted, t.cached = True, r.num_prefix_hit
             self._send(t, Admitted(t.cached))
             progressed = True
         n = len(r.output_ids)
+        plps = None
+        if not t.sent_prompt_lps and getattr(r.params, "prompt_logprobs", None) is not None:
+            got = getattr(r, "prompt_logprobs", None)
+            if got is not None and (len(got) >= len(r.prompt_ids) or r.finished):
+                plps, t.sent_prompt_lps = list(got), True
         if n > t.sent_tokens or len(r.text) > t.sent_text:
             top = None
             if r.params.logprobs:
-                top = [(ids.tolist(), lps.tolist()) for ids, lps in r.top_logprobs[t.sent_tokens:n]]
+                top = [(_as_list(ids), _as_list(lps)) for ids, lps in r.top_logprobs[t.sent_tokens:n]]
             self._send(t, Delta(r.text[t.sent_text:], r.output_ids[t.sent_tokens:n],
-                                r.output_logprobs[t.sent_tokens:n], top))
+                                [float(x) for x in r.output_logprobs[t.sent_tokens:n]], top, plps))
             t.sent_text, t.sent_tokens = len(r.text), n
+            plps = None
             progressed = True
         if r.finished:
-            self._send(t, Finished(r.finish_reason or "stop", len(r.prompt_ids), n, t.cached))
+            self._send(t, Finished(r.finish_reason or "stop", len(r.prompt_ids), n, t.cached, plps))
             del self._tracked[rid]               # (the engine forgot it in step())
             progressed = True
         return progressed

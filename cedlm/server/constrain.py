@@ -1,0 +1,206 @@
+"""Logits processors for the engine's ``SamplingParams.logits_processors`` hook.
+
+A processor is a callable ``(output_ids: list[int], logits: Tensor[vocab]) -> Tensor`` that the
+engine applies to a sequence's next-token logits before sampling (after ``logit_bias``, before
+the penalties and temperature). Each request gets its own processors, built by the handler, off
+the engine thread; the samples of one request (``n`` / ``best_of``) share them.
+
+- ``GrammarProcessor``: constrained decoding with llguidance (https://github.com/guidance-ai/llguidance,
+  pinned in pyproject.toml). A per-sequence ``LLMatcher`` masks every token the grammar does not
+  allow next and advances on each sampled token (it consumes the tokens of ``output_ids`` it has
+  not seen yet; states are keyed by those tokens, so samples sharing the processor and a
+  preempted, recomputed sequence stay consistent). Once the grammar is complete only EOS is
+  allowed. In thinking mode
+  the grammar starts after the first ``</think>`` (``gate``): the reasoning is free text, the
+  answer is constrained.
+- ``MinTokensProcessor`` (vLLM's ``min_tokens``): EOS and ``stop_token_ids`` are banned until
+  ``min_tokens`` tokens have been generated.
+- ``MinPProcessor`` (vLLM's ``min_p``): drops tokens whose probability, at the request's
+  temperature, is below ``min_p`` times the most likely token's.
+
+``Grammars`` (one per server) owns the llguidance tokenizer, built from the served HF
+``tokenizers`` tokenizer on first use, and compiles request grammars (JSON schema, regex, Lark,
+choice), reporting an invalid one as a ``GrammarError`` that the handler turns into a 400.
+JSON output is compact (no free whitespace): a weak model cannot pad it forever.
+"""
+from __future__ import annotations
+
+import json
+import math
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+try:                                    # a pinned dependency; a clear 400 if it is missing
+    import llguidance
+except ImportError:                     # pragma: no cover - reported when a grammar is requested
+    llguidance = None
+
+JSON_OPTIONS = {"whitespace_flexible": False}
+NEG_INF = float("-inf")
+
+
+class GrammarError(ValueError):
+    """An invalid grammar or schema in a request (the handler answers 400 naming ``param``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class Grammars:
+    """Compiles request grammars against the served tokenizer (thread-safe, built lazily)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tok, self.vocab_size = tokenizer, int(vocab_size)
+        self._lltok = None
+        self._lock = threading.Lock()
+
+    @property
+    def available(self) -> bool:
+        return llguidance is not None and self.tok is not None and hasattr(self.tok, "hf")
+
+    def lltok(self):
+        with self._lock:
+            if self._lltok is None:
+                if llguidance is None:
+                    raise GrammarError("response_format", "structured output needs the 'llguidance' "
+                                                          "package (pip install llguidance)")
+                self._lltok = llguidance.LLTokenizer(self.tok.hf.to_str(), n_vocab=self.tok.vocab_size,
+                                                     eos_token=self.tok.eos_id)
+            return self._lltok
+
+    # ------------------------------------------------------------------ grammar sources
+    def json_schema(self, schema: Any, param: str) -> str:
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(param, f"a JSON schema must be an object, got {type(schema).__name__}")
+        try:
+            g = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+        except Exception as e:           # noqa: BLE001 - llguidance reports schema errors as exceptions
+            raise GrammarError(param, f"invalid JSON schema: {e}") from None
+        return self._checked(g, param, "JSON schema")
+
+    def regex(self, pattern: str, param: str) -> str:
+        try:
+            g = llguidance.LLMatcher.grammar_from_regex(pattern)
+        except Exception as e:           # noqa: BLE001
+            raise GrammarError(param, f"invalid regex: {e}") from None
+        return self._checked(g, param, "regex")
+
+    def lark(self, grammar: str, param: str) -> str:
+        try:
+            g = llguidance.grammar_from("grammar", grammar)     # Lark, or GBNF converted to Lark
+        except Exception as e:           # noqa: BLE001
+            raise GrammarError(param, f"invalid grammar: {e}") from None
+        return self._checked(g, param, "grammar")
+
+    def choice(self, options: list[str], param: str) -> str:
+        if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
+            raise GrammarError(param, "must be a non-empty array of strings")
+        return self.lark("start: " + " | ".join(json.dumps(o) for o in options), param)
+
+    def _checked(self, g: str, param: str, what: str) -> str:
+        err = llguidance.LLMatcher.validate_grammar(g, self.lltok())
+        if err and not err.startswith("WARNING"):
+            raise GrammarError(param, f"invalid {what}: {err.strip()}")
+        return g
+
+    # ------------------------------------------------------------------ processors
+    def processor(self, grammar: str, param: str, gate_id: int | None = None) -> "GrammarProcessor":
+        lltok = self.lltok()
+        m = llguidance.LLMatcher(lltok, grammar, log_level=0)
+        if m.is_error():
+            raise GrammarError(param, f"the grammar could not be compiled: {m.get_error()}")
+        return GrammarProcessor(lambda: llguidance.LLMatcher(lltok, grammar, log_level=0), self.vocab_size,
+                                self.tok.eos_id, gate_id)
+
+
+class GrammarProcessor:
+    """Masks the logits to what the grammar allows next (see the module docstring).
+
+    One object may serve several sequences (the engine's samples of an n / best_of request share
+    their processors), so matcher states are keyed by the constrained tokens they have consumed:
+    a call finds the state for its own tokens, or advances the state of their longest known
+    prefix, or (a sequence the cache no longer knows, e.g. one the engine recomputed) replays its
+    tokens on a fresh matcher. Samples with identical histories share one state."""
+
+    MAX_STATES = 64
+
+    def __init__(self, factory, vocab_size: int, eos_id: int, gate_id: int | None = None):
+        self.factory, self.V, self.eos, self.gate = factory, int(vocab_size), int(eos_id), gate_id
+        self.states: dict[tuple, Any] = {(): factory()}
+
+    def _span(self, output_ids: list[int]) -> tuple | None:
+        if self.gate is None:
+            return tuple(output_ids)
+        try:
+            k = output_ids.index(self.gate)
+        except ValueError:
+            return None
+        return tuple(output_ids[k + 1:])
+
+    def _matcher(self, span: tuple):
+        m = self.states.get(span)
+        if m is not None:
+            return m
+        parent = next((span[:k] for k in range(len(span) - 1, -1, -1) if span[:k] in self.states), None)
+        if parent is not None and len(span) - len(parent) <= 8:
+            m = self.states.pop(parent)         # a sibling still at `parent` replays from scratch
+            if not parent:
+                self.states[()] = m.deep_copy()     # the empty state is every sample's start
+        else:
+            m, parent = self.factory(), ()
+        m.consume_tokens(list(span[len(parent):]))
+        if len(self.states) >= self.MAX_STATES:
+            self.states.pop(next(iter(self.states)))
+        self.states[span] = m
+        return m
+
+    def _allowed(self, m) -> torch.Tensor:
+        allowed = torch.zeros(self.V, dtype=torch.bool)
+        if not m.is_error():
+            bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            n = min(self.V, bits.shape[0])
+            allowed[:n] = torch.from_numpy(bits[:n].astype(np.bool_))
+        if not bool(allowed.any()):            # a rejected token or a dead end: end the output
+            allowed[self.eos] = True
+        return allowed
+
+    def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        span = self._span(list(output_ids))
+        if span is None:                       # still reasoning (thinking mode)
+            return logits
+        allowed = self._allowed(self._matcher(span))
+        V = logits.shape[-1]
+        if V != self.V:
+            full = torch.zeros(V, dtype=torch.bool)
+            full[:min(V, self.V)] = allowed[:min(V, self.V)]
+            allowed = full
+        return logits.masked_fill(~allowed.to(logits.device), NEG_INF)
+
+
+class MinTokensProcessor:
+    def __init__(self, min_tokens: int, banned: list[int]):
+        self.min_tokens, self.banned = int(min_tokens), sorted(set(int(t) for t in banned))
+
+    def __call__(self, output_ids, logits):
+        if len(output_ids) >= self.min_tokens or not self.banned:
+            return logits
+        out = logits.clone()
+        out[[t for t in self.banned if t < out.shape[-1]]] = NEG_INF
+        return out
+
+
+class MinPProcessor:
+    """Keeps tokens with p >= min_p * p_max at temperature T, i.e. logit >= max + T * ln(min_p)."""
+
+    def __init__(self, min_p: float, temperature: float):
+        self.min_p, self.t = float(min_p), float(temperature)
+
+    def __call__(self, output_ids, logits):
+        if self.min_p <= 0 or self.t <= 0:
+            return logits
+        cut = logits.max() + self.t * math.log(self.min_p)
+        return logits.masked_fill(logits < cut, NEG_INF)
