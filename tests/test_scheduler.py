@@ -37,9 +37,8 @@ def run_step(s, out):
     for r in out.decode:
         r.num_cached += 1
         r.output_ids.append(0)
-    if out.prefill:
-        r = out.prefill
-        r.num_cached += out.prefill_tokens
+    for r, n in out.prefills:
+        r.num_cached += n
         if r.num_cached == r.num_tokens:
             r.status = Status.RUNNING
             r.output_ids.append(0)
@@ -73,15 +72,18 @@ def test_chunked_prefill_then_decode():
 
 def test_continuous_batching_admits_while_decoding():
     a = FakeAlloc(100, 4)
-    s = Scheduler(a, num_blocks=100, block_tokens=4, max_num_seqs=3, prefill_chunk=64, max_model_len=100)
+    s = Scheduler(a, num_blocks=100, block_tokens=4, max_num_seqs=3, prefill_chunk=8, max_model_len=100,
+                  max_batched_tokens=8)
     reqs = [mk(str(i), 6, max_tokens=5) for i in range(5)]
     for r in reqs:
         s.add(r)
-    out = s.schedule(); run_step(s, out)
-    out = s.schedule()
-    assert [r.request_id for r in out.decode] == ["0"] and out.prefill.request_id == "1"
+    out = s.schedule()                        # three admitted (max_num_seqs); one chunk fits the budget
+    assert [r.request_id for r, _ in out.prefills] == ["0"] and len(s.active) == 3
     run_step(s, out)
-    assert max(len(s.active) for _ in [0]) <= 3
+    out = s.schedule()
+    assert [r.request_id for r in out.decode] == ["0"] and [r.request_id for r, _ in out.prefills] == ["1"]
+    run_step(s, out)
+    assert len(s.active) <= 3
     drain(s)
     assert all(r.finished for r in reqs) and a.nfree == 100
 
@@ -152,4 +154,155 @@ def test_prefix_hit_skips_cached_tokens():
     r = mk("h", 11)
     s.add(r)
     out = s.schedule()
-    assert out.prefill is r and out.prefill_tokens == 3 and r.num_prefix_hit == 8
+    assert out.prefills == [(r, 3)] and r.num_prefix_hit == 8
+
+
+# ------------------------------------------------------------------ fair scheduling (issue 15, finding 8)
+def check_plan(s, a, out):
+    """Every planned position has its block, and the pool is never over-committed."""
+    assert a.nfree >= 0
+    assert a.nfree + sum(a.held.values()) == s.num_blocks
+    for r in out.decode:
+        assert a.held[r.request_id] * a.bt >= r.num_cached + 1
+    for r, n in out.prefills:
+        assert 0 < n <= s.prefill_chunk and r.status is Status.PREFILLING
+        assert a.held[r.request_id] * a.bt >= r.num_cached + n
+    ids = [r.request_id for r, _ in out.prefills] + [r.request_id for r in out.decode]
+    assert len(ids) == len(set(ids))                      # nothing planned twice
+    if len(out.prefills) > 1:                             # beyond the one guaranteed chunk: in budget
+        assert out.num_batched_tokens <= s.max_batched_tokens
+
+
+def test_short_request_behind_a_long_prefill_is_admitted_and_prefilled_at_once():
+    a = FakeAlloc(2000, 16)
+    s = Scheduler(a, num_blocks=2000, block_tokens=16, max_num_seqs=8, prefill_chunk=512,
+                  max_model_len=20000)
+    long = mk("long", 16384, max_tokens=4)                # the finding: a 16k-token prompt
+    s.add(long)
+    for _ in range(3):                                    # its prefill is under way
+        out = s.schedule(); check_plan(s, a, out); run_step(s, out)
+    assert long.status is Status.PREFILLING and 0 < long.num_cached < 16384
+    short = mk("short", 20, max_tokens=4)
+    s.add(short)
+    out = s.schedule()
+    check_plan(s, a, out)
+    assert short.status is Status.PREFILLING              # admitted while the long prefill runs
+    assert (short, 20) in out.prefills                    # and prefilled in the same step
+    run_step(s, out)
+    assert short.status is Status.RUNNING
+    steps = 1
+    while not short.finished:
+        out = s.schedule(); check_plan(s, a, out); run_step(s, out)
+        steps += 1
+    assert steps <= short.params.max_tokens               # one decode per step, never held up
+    assert not long.finished and long.num_cached > 3 * 512   # the long one kept going meanwhile
+    drain(s)
+    assert long.finished and a.nfree == 2000 and not a.held
+
+
+def test_long_prefill_progresses_under_a_stream_of_short_prompts():
+    """Shortest-remaining-first, bounded: a request passed over max_prefill_wait steps in a row goes
+    first, so the long prompt gets a chunk at least every max_prefill_wait + 1 steps, and every
+    short one is prefilled within a bounded number of steps of its arrival."""
+    a = FakeAlloc(10_000, 16)
+    W = 2
+    s = Scheduler(a, num_blocks=10_000, block_tokens=16, max_num_seqs=64, prefill_chunk=256,
+                  max_model_len=10_000, max_batched_tokens=256, max_prefill_wait=W)
+    long = mk("long", 4096, max_tokens=2)
+    s.add(long)
+    shorts, arrived, prefilled = [], {}, {}
+    last_long, gaps = 0, []
+    step = 0
+    while s.has_work and step < 500:
+        step += 1
+        if step <= 100:                                   # a new short prompt every step
+            r = mk(f"s{step}", 40, max_tokens=3)
+            s.add(r); shorts.append(r); arrived[r.request_id] = step
+        out = s.schedule()
+        check_plan(s, a, out)
+        for r, _ in out.prefills:
+            if r is long:
+                gaps.append(step - last_long); last_long = step
+        run_step(s, out)
+        for r in shorts:
+            if r.request_id not in prefilled and r.status is not Status.WAITING and r.output_ids:
+                prefilled[r.request_id] = step
+    assert long.finished and all(r.finished for r in shorts)
+    assert max(gaps) <= W + 1                             # the long one never starves
+    waits = [prefilled[rid] - arrived[rid] for rid in arrived]
+    assert max(waits) <= W + 1                            # nor does any short one
+    assert a.nfree == 10_000 and not a.held
+
+
+def test_several_long_prefills_under_tight_memory_never_deadlock():
+    """Prefills in flight at once: the whole sequence is reserved at admission, so no prefill can
+    hold half its blocks while waiting on another's; decodes still preempt the newest."""
+    import random
+    rng = random.Random(0)
+    for trial in range(30):
+        nb = rng.randint(12, 40)
+        a = FakeAlloc(nb, 4)
+        s = Scheduler(a, num_blocks=nb, block_tokens=4, max_num_seqs=rng.randint(1, 6),
+                      prefill_chunk=rng.randint(1, 16), max_model_len=nb * 4,
+                      max_batched_tokens=rng.choice([None, 1, 8, 40]), max_prefill_wait=rng.randint(0, 3))
+        reqs = []
+        for i in range(rng.randint(2, 12)):
+            r = mk(f"{trial}-{i}", rng.randint(1, nb * 2), max_tokens=rng.randint(1, nb))
+            try:
+                s.add(r)
+                reqs.append(r)
+            except RequestRejected:
+                pass
+        steps = 0
+        while s.has_work:
+            out = s.schedule()
+            check_plan(s, a, out)
+            assert not out.empty or not s.active, "no progress with requests admitted"
+            run_step(s, out)
+            steps += 1
+            assert steps < 5000, "livelock"
+        assert all(r.finished for r in reqs)
+        assert a.nfree == nb and not a.held
+
+
+def test_decodes_come_first_and_the_budget_is_shared():
+    a = FakeAlloc(1000, 4)
+    s = Scheduler(a, num_blocks=1000, block_tokens=4, max_num_seqs=16, prefill_chunk=8,
+                  max_model_len=1000, max_batched_tokens=12)
+    running = [mk(f"r{i}", 4, max_tokens=50) for i in range(6)]
+    for r in running:
+        s.add(r)
+    out = s.schedule(); run_step(s, out)                  # 6 x 4 tokens, 3 chunks a step (budget 12)
+    while any(r.status is Status.PREFILLING for r in running):
+        out = s.schedule(); check_plan(s, a, out); run_step(s, out)
+    big, small = mk("big", 64, max_tokens=2), mk("small", 3, max_tokens=2)
+    s.add(big); s.add(small)
+    out = s.schedule()
+    check_plan(s, a, out)
+    assert len(out.decode) == 6                           # every running sequence decodes
+    # 12 - 6 = 6 tokens left: the 3-token chunk fits, the 8-token one waits for its turn
+    assert out.prefills == [(small, 3)]
+    run_step(s, out)
+    out = s.schedule()
+    check_plan(s, a, out)
+    assert [r for r, _ in out.prefills] == [big]          # the one guaranteed chunk
+    drain(s)
+    assert a.nfree == 1000
+
+
+def test_preempted_prefill_is_readmitted_and_finishes():
+    a = FakeAlloc(6, 4)
+    s = Scheduler(a, num_blocks=6, block_tokens=4, max_num_seqs=4, prefill_chunk=2, max_model_len=100)
+    old, new = mk("old", 4, max_tokens=12), mk("new", 13, max_tokens=2)
+    s.add(old)
+    while old.status is not Status.RUNNING:
+        run_step(s, s.schedule())
+    s.add(new)                                            # 4 blocks reserved at admission
+    pre = []
+    for _ in range(200):
+        if not s.has_work:
+            break
+        out = s.schedule(); check_plan(s, a, out)
+        pre += out.preempted
+        run_step(s, out)
+    assert old.finished and new.finished and new in pre and a.nfree == 6

@@ -1,10 +1,11 @@
 """The engine: runs the model over what the scheduler plans, samples, and checks stops.
 
 Per step: the scheduler reserves KV blocks through the KV cache manager, then the engine runs
-one batched decode token for the running sequences and one encoder chunk of a prefilling
-sequence, samples, checks stops, and finishes requests (the scheduler frees their blocks through
-the manager, which publishes full blocks to the prefix cache and the store). Window rings are
-per sequence and rebuilt by replay after a prefix hit (never stored).
+one batched decode token for the running sequences and one encoder chunk for each prefilling
+sequence the scheduler picked (a per-step token budget, shared fairly), samples, checks stops,
+and finishes requests (the scheduler frees their blocks through the manager, which publishes
+full blocks to the prefix cache and the store). Window rings are per sequence and rebuilt by
+replay after a prefix hit (never stored).
 
 Prompt scoring (`SamplingParams.prompt_logprobs`): such a request is admitted without prefix-cached
 blocks and prefilled in mode `full`, so that every prompt row runs the decoder; `prompt_logprobs`
@@ -175,9 +176,8 @@ class Engine:
         finished: list[Request] = []
         if out.decode:
             finished += self._contained(out.decode, lambda: self._decode(out.decode))
-        if out.prefill is not None:
-            finished += self._contained([out.prefill],
-                                        lambda: self._prefill(out.prefill, out.prefill_tokens))
+        for req, n in out.prefills:               # one encoder chunk each (scheduler.py: fair share)
+            finished += self._contained([req], lambda r=req, k=n: self._prefill(r, k))
         for r in finished:                        # the caller holds its own reference
             self.requests.pop(r.request_id, None)
         kv = self.kv_stats()

@@ -14,6 +14,7 @@ GREEDY_EPS = 1e-5   # temperatures below this are treated as 0 (greedy); avoids 
 TOP_K_MAX = 2**31 - 1   # largest accepted top_k; values above the vocabulary size are clamped when sampling
 LOGIT_BIAS_MAX = 100.0  # |bias| bound, as OpenAI and vLLM
 PENALTY_MAX = 2.0       # |presence_penalty|, |frequency_penalty| bound, as OpenAI and vLLM
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 # (output_ids, logits [vocab] fp32) -> logits [vocab]: see ``SamplingParams.logits_processors``.
 LogitsProcessor = Callable[[list, "torch.Tensor"], "torch.Tensor"]
@@ -67,7 +68,7 @@ class SamplingParams:
         generated tokens (vLLM / OpenAI semantics). 0 disables it.
     frequency_penalty: in [-2, 2]; subtracted from each token's logit once per occurrence in the
         generated tokens. 0 disables it.
-    repetition_penalty: > 0 (finite); for every token occurring in the prompt or the generated
+    repetition_penalty: in [0.01, 100]; for every token occurring in the prompt or the generated
         tokens, a positive logit is divided by it and a negative one multiplied by it (HF / vLLM
         semantics). 1 disables it.
     logit_bias: {token id: bias}, bias in [-100, 100], added to the logits before sampling
@@ -182,8 +183,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}], got {v!r}")
             setattr(self, name, float(v))
         v = self.repetition_penalty
-        if not _is_real(v) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {v!r}")
+        # Bounded: logits are divided (or multiplied) by it, and a subnormal penalty turns a
+        # finite logit into inf.
+        if not _is_real(v) or not math.isfinite(v) or not REPETITION_PENALTY_RANGE[0] <= v <= REPETITION_PENALTY_RANGE[1]:
+            raise ValueError(f"repetition_penalty must be a number in [{REPETITION_PENALTY_RANGE[0]:g}, "
+                             f"{REPETITION_PENALTY_RANGE[1]:g}] (1 disables it), got {v!r}")
         self.repetition_penalty = float(v)
 
     def _check_logits_hooks(self) -> None:

@@ -1,9 +1,25 @@
-"""Continuous batching over integers: admission by KV budget, chunked prefill, preemption.
+"""Continuous batching over integers: admission by KV budget, fair chunked prefill, preemption.
 
-Each engine step runs (a) one decode token for every running sequence and (b) one encoder chunk
-of at most `prefill_chunk` tokens for one prefilling sequence. Blocks are reserved BEFORE the
-model runs, through the KV cache manager's integer verbs, so the model's cache appends never
-fail mid-forward:
+Each engine step runs (a) one decode token for every running sequence and (b) encoder chunks of
+prefilling sequences, each chunk `min(prefill_chunk, tokens left)` tokens (the engine's
+PrefillRun steps in exactly those chunks). The step's token budget, `max_batched_tokens`
+(default `prefill_chunk + max_num_seqs`), goes to the decodes first (one token each); prefill
+chunks share the rest, at least one chunk per step whatever the decodes took:
+
+- admission goes on while prefills are in progress: every step, waiting requests are admitted
+  in arrival order while a sequence slot is free and the pool can hold the whole sequence so
+  far (prompt, plus the outputs of a preempted one). Reserving all of it at admission means a
+  prefill chunk never waits on memory, so several prefills in flight can never deadlock on
+  each other's partial reservations; a head of the queue that does not fit stops admission
+  (first come, first served: a large request is never passed over for ever).
+- chunks go shortest-remaining-first (ties: admission order), so a short prompt admitted behind
+  a long one is prefilled in the next step or two instead of after all of it; a request passed
+  over `max_prefill_wait` steps in a row goes first (the longest-waiting first), so a long
+  prompt still gets a chunk at least every `max_prefill_wait + 1` steps and nothing starves.
+  A chunk that does not fit the budget left is skipped for this step; smaller ones may still.
+
+Blocks are reserved BEFORE the model runs, through the KV cache manager's integer verbs, so the
+model's cache appends never fail mid-forward:
 
     kv.get_computed_blocks(req)       -> prefix lookup at admission; sets req.num_cached
                                          (skipped for a prompt to be scored: prompt_logprobs)
@@ -30,27 +46,42 @@ class RequestRejected(ValueError):
 @dataclass
 class SchedulerOutput:
     decode: list[Request] = field(default_factory=list)
-    prefill: Request | None = None
-    prefill_tokens: int = 0
+    prefills: list[tuple[Request, int]] = field(default_factory=list)   # (request, chunk tokens)
     preempted: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.decode and self.prefill is None
+        return not self.decode and not self.prefills
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefills)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.decode) + self.prefill_tokens
 
 
 class Scheduler:
     def __init__(self, kv, *, num_blocks: int, block_tokens: int, max_num_seqs: int,
-                 prefill_chunk: int, max_model_len: int):
+                 prefill_chunk: int, max_model_len: int, max_batched_tokens: int | None = None,
+                 max_prefill_wait: int = 2):
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs: must be positive, got {max_num_seqs}")
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk: must be positive, got {prefill_chunk}")
+        if max_batched_tokens is not None and max_batched_tokens <= 0:
+            raise ValueError(f"max_batched_tokens: must be positive, got {max_batched_tokens}")
+        if max_prefill_wait < 0:
+            raise ValueError(f"max_prefill_wait: must be >= 0, got {max_prefill_wait}")
         self.kv = kv
         self.num_blocks, self.block_tokens = num_blocks, block_tokens
         self.max_num_seqs, self.prefill_chunk, self.max_model_len = max_num_seqs, prefill_chunk, max_model_len
+        self.max_batched_tokens = max_batched_tokens or prefill_chunk + max_num_seqs
+        self.max_prefill_wait = max_prefill_wait
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []          # admitted (prefilling or running), admission order
+        self._passed_over: dict[int, int] = {}   # id(prefilling request) -> steps passed over in a row
 
     # ---------------------------------------------------------------- queue
     def blocks_for(self, tokens: int) -> int:
@@ -109,6 +140,7 @@ class Scheduler:
         req.status = Status.FINISHED
 
     def _release(self, req: Request) -> None:
+        self._passed_over.pop(id(req), None)
         self.kv.free(req)
         req.state = req.prefill = None          # the engine's per-sequence objects go with it
 
@@ -140,31 +172,56 @@ class Scheduler:
         out = SchedulerOutput()
         # 1. decode: every running sequence grows by one token; oldest first.
         for req in [r for r in self.active if r.status is Status.RUNNING]:
-            if req not in self.active:
+            if not any(r is req for r in self.active):
                 continue                                  # preempted while serving an older one
             while not self.kv.allocate_slots(req, req.num_cached + 1):
-                victims = [r for r in self.active if r is not req and r not in out.decode]
+                victims = [r for r in self.active
+                           if r is not req and not any(r is d for d in out.decode)]
                 if not victims:
                     self._preempt(req, out)
                     break
                 self._preempt(victims[-1], out)           # most recently admitted
             else:
                 out.decode.append(req)
-        # 2. prefill: continue the sequence in prefill, else admit the next waiting one.
-        pre = next((r for r in self.active if r.status is Status.PREFILLING), None)
-        if pre is None and self.waiting and len(self.active) < self.max_num_seqs:
+        # 2. admission: in arrival order, while a slot is free and the whole sequence fits.
+        self._admit()
+        # 3. prefill chunks: the budget left after the decodes, shortest remaining first, the
+        #    ones passed over too long before everyone.
+        self._plan_prefills(out, self.max_batched_tokens - len(out.decode))
+        return out
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.active) < self.max_num_seqs:
             cand = self.waiting[0]
             self._lookup(cand)
-            if self.kv.allocate_slots(cand, min(cand.num_tokens, cand.num_cached + self.prefill_chunk)):
-                self.waiting.popleft()
-                cand.status = Status.PREFILLING
-                self.active.append(cand)
-                pre = cand
-            else:
-                self._release(cand)                 # not now: wait for memory
+            if not self.kv.allocate_slots(cand, cand.num_tokens):
+                self._release(cand)                       # not now: wait for memory
                 cand.num_cached = cand.num_prefix_hit = 0
-        if pre is not None:
-            n = min(self.prefill_chunk, pre.num_tokens - pre.num_cached)
-            if self.kv.allocate_slots(pre, pre.num_cached + n):
-                out.prefill, out.prefill_tokens = pre, n
-        return out
+                return
+            self.waiting.popleft()
+            cand.status = Status.PREFILLING
+            self.active.append(cand)
+            self._passed_over[id(cand)] = 0
+
+    def _plan_prefills(self, out: SchedulerOutput, budget: int) -> None:
+        pre = [r for r in self.active if r.status is Status.PREFILLING]
+        if not pre:
+            return
+        order = {id(r): i for i, r in enumerate(pre)}
+        wait = self._passed_over
+
+        def key(r: Request):
+            w = wait.get(id(r), 0)
+            if w >= self.max_prefill_wait:
+                return (0, -w, order[id(r)])              # passed over too long: first
+            return (1, r.num_tokens - r.num_cached, order[id(r)])
+
+        for r in sorted(pre, key=key):
+            n = min(self.prefill_chunk, r.num_tokens - r.num_cached)
+            fits = n <= budget or not out.prefills        # at least one chunk per step
+            if fits and n > 0 and self.kv.allocate_slots(r, r.num_cached + n):
+                out.prefills.append((r, n))
+                budget -= n
+                wait[id(r)] = 0
+            else:
+                wait[id(r)] = wait.get(id(r), 0) + 1
