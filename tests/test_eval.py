@@ -50,7 +50,9 @@ def test_windows_score_every_token_once(model, tok):
     # non-overlapping windows of 16: the same total whatever the batch size
     a = evaluate_ppl(model, tok, text, seq_len=16, batch_size=1)
     b = evaluate_ppl(model, tok, text, seq_len=16, batch_size=5)
-    assert a["nats"] == pytest.approx(b["nats"], rel=1e-6) and a["tokens"] == len(ids)
+    # [5, 16] and [1, 16] GEMMs round differently on some CPUs (1.1e-6 relative seen with
+    # ATEN_CPU_CAPABILITY=default); a windowing error would move the total by whole-token losses
+    assert a["nats"] == pytest.approx(b["nats"], rel=1e-4) and a["tokens"] == len(ids)
     # manual windows: window k scores targets seq[16k+1 : 16k+17] with its own prefix only
     manual = 0.0
     with torch.no_grad():
@@ -104,6 +106,6 @@ def test_ppl_cli_json(tmp_path, model, tok, capsys):
                       "--seq-len", "32", "--batch-size", "2"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert {"perplexity", "bits_per_byte", "tokens", "bytes", "model"} <= set(res)
-    ref = evaluate_ppl(model, tok, TEXT[:500], seq_len=32)
+    ref = evaluate_ppl(model, tok, TEXT[:500], seq_len=32, batch_size=2)   # the CLI's batches: same sums
     assert res["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-6)
     assert res["bytes"] == len(TEXT[:500].encode("utf-8"))

@@ -82,16 +82,39 @@ def test_batched_decode_equals_single(tiny):
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 17, 30)]
     nxt = torch.randint(0, cfg.vocab_size, (3, 6), generator=g)
-    singles = []
+    singles, single_states = [], []
     for p, cont in zip(prompts, nxt):
         st = tiny.new_state()
         tiny.prefill(p, st, "full")
         singles.append(torch.stack([tiny.decode(cont[i:i + 1], [st])[0] for i in range(6)]))
+        single_states.append(st)
     states = [tiny.new_state() for _ in prompts]
     for p, st in zip(prompts, states):
         tiny.prefill(p, st, "full")
     batched = torch.stack([tiny.decode(nxt[:, i], states) for i in range(6)], 1)
-    assert (batched - torch.stack(singles)).abs().max().item() < 1e-4
+    singles = torch.stack(singles)
+    # B = 3 and B = 1 run other GEMM shapes. Where the stored bytes agree, logits agree to 1e-4. On
+    # another CPU (seen with ATEN_CPU_CAPABILITY=default) a value can land on the other side of an
+    # FP4/FP8 rounding boundary: a few stored codes differ by one step, and the logits after it by
+    # more (4.9e-4 seen); then at most 1% of the codes may differ and logits stay within 1% of max|logit|.
+    flips = sum(_differing_codes(a, b) for a, b in zip(single_states, states))
+    dev = (batched - singles).abs().max().item()
+    if flips == 0:
+        assert dev < 1e-4
+    else:
+        assert flips <= 0.01 * sum(_codes(st) for st in states) and dev < 0.01 * singles.abs().max().item()
+
+
+def _codes(st) -> int:
+    return sum(r.view().numel() for r in (*st.kv.values(), *st.index.values())) + \
+        sum(w.numel() for w in st.window.values())
+
+
+def _differing_codes(a, b) -> int:
+    """Bytes that differ between two states' global rows and window rings."""
+    n = sum(int((a.kv[s].view() != b.kv[s].view()).sum()) for s in a.kv)
+    n += sum(int((a.index[s].view() != b.index[s].view()).sum()) for s in a.index)
+    return n + sum(int((a.window[l] != b.window[l]).sum()) for l in a.window)
 
 
 def test_reuse_and_reindex_layers_own_no_kv(tiny):

@@ -183,10 +183,15 @@ def _ext_module():
     if "module" not in _ext_state:
         from . import ext
         mod, why = ext.load()
+        nan_rule = _nan_scale_wins() if mod is not None else None
+        if mod is not None and nan_rule is None:
+            # torch's kernels here give a third NaN for NaN * NaN (e.g. scalar kernels under
+            # ATEN_CPU_CAPABILITY=default): the extension could not match them bit for bit
+            mod, why = None, "NaN * NaN in the reference decode is neither operand on this CPU path"
         if mod is not None:
             t = _TABLES_CPU
             mod.set_tables(t["e2m1_code"], t["e2m1_value"], t["e2m1_pair"], _e4m3_code_table(),
-                           t["e4m3"], t["ue8m0"], _nan_scale_wins())
+                           t["e4m3"], t["ue8m0"], nan_rule)
         else:
             log.warning("cedlm.quant: compiled KV codecs unavailable (%s); using the vectorised "
                         "torch fast path", why)
@@ -194,9 +199,10 @@ def _ext_module():
     return _ext_state["module"]
 
 
-def _nan_scale_wins() -> bool:
+def _nan_scale_wins() -> bool | None:
     """Which NaN the reference's ``q.mul_(s)`` keeps when an E4M3 element NaN meets a NaN scale
-    (torch's choice depends on its compiler): probed on the reference decode itself."""
+    (torch's choice depends on its compiler and kernel path): probed on the reference decode
+    itself. None when it keeps neither (the extension then stays off)."""
     f = F.FORMATS["window_fp8"]
     entry = torch.tensor([[0x7F] * f.block + [N.UE8M0_NAN]], dtype=torch.uint8)
     out = F.decode_reference(entry, f, f.block).view(torch.int32)
@@ -206,7 +212,7 @@ def _nan_scale_wins() -> bool:
         return True
     if bool((out == q_bits).all()):
         return False
-    raise AssertionError("cedlm.quant.fast: NaN * NaN in the reference decode is neither operand")
+    return None
 
 
 def set_fast_backend(name: str) -> str:
