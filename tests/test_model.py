@@ -13,7 +13,6 @@ from cedlm.model.moe import MoE
 REF = Path(__file__).resolve().parents[1] / "cedlm" / "config" / "official"
 # The official checkpoint's tensor names, dtypes and shapes (one representative key per role).
 WEIGHT_NAMES = Path(__file__).resolve().parent / "fixtures" / "v41-weight-names.txt"
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def test_incremental_decode_equals_full_forward(tiny):
     assert st.num_tokens == S - 1
 
 
-def test_prefill_modes(tiny):
+def test_prefill_modes(tiny, tmp_path):
     cfg = tiny.cfg
     S = 8 * cfg.sliding_window
     ids = torch.randint(0, cfg.vocab_size, (S + 12,), generator=torch.Generator().manual_seed(2))
@@ -58,8 +57,7 @@ def test_prefill_modes(tiny):
     # bounded prefill is approximate: the decoder's windows see nothing before the last n_win
     # tokens. Record the measured deviation (logit max-abs and next-token agreement).
     agree = (bounded.argmax(-1) == full.argmax(-1)).float().mean().item()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bounded_prefill_deviation.json").write_text(json.dumps(
+    (tmp_path / "bounded_prefill_deviation.json").write_text(json.dumps(
         {"preset": "tiny", "prompt_tokens": S, "decoded_tokens": 12, "max_abs_logit_dev": dev,
          "full_logit_std": full.std().item(), "argmax_agreement": agree}, indent=2))
     print(f"bounded prefill deviation: max|dlogit|={dev:.4g}, argmax agreement {agree:.3f}")

@@ -8,7 +8,6 @@ import torch
 from cedlm import CEDModel, LLM, ModelConfig, SamplingParams
 from cedlm.cache.store import DirStore, RedisStore
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +33,7 @@ def test_session_restore_exact_and_bounded(tiny, tmp_path):
     dev = (bounded - ref).abs().max().item()
     c = tiny.cfg
     window = c.n_layers * c.sliding_window * (c.head_dim + c.head_dim // 32)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "restore_deviation.json").write_text(json.dumps({
+    (tmp_path / "restore_deviation.json").write_text(json.dumps({
         "preset": "tiny", "tokens": n, "bounded_max_abs_logit_dev": dev,
         "bounded_argmax_equal": bool(bounded.argmax() == ref.argmax()),
         "exact_max_abs_logit_dev": (exact - ref).abs().max().item(),
