@@ -40,6 +40,7 @@ def _small():
 
 
 def _clone_without_windows(model, st):
+    """What persistence keeps: global rows, compressor pending rows, token ids. No windows."""
     new = model.new_state()
     new.num_tokens, new.token_ids = st.num_tokens, list(st.token_ids)
     for s in st.kv:

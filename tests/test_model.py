@@ -9,6 +9,7 @@ import torch
 from cedlm import CEDModel, ModelConfig
 from cedlm.model.attention import attend
 from cedlm.model.moe import MoE
+from tests.golden import _clone_without_windows
 
 REF = Path(__file__).resolve().parents[1] / "cedlm" / "config" / "official"
 # The official checkpoint's tensor names, dtypes and shapes (one representative key per role).
@@ -221,18 +222,6 @@ def test_training_forward_backward(tiny):
     finally:
         tiny.zero_grad()
         tiny.eval()
-
-
-def _clone_without_windows(model, st):
-    """What persistence keeps: global rows, compressor pending rows, token ids. No windows."""
-    new = model.new_state()
-    new.num_tokens, new.token_ids = st.num_tokens, list(st.token_ids)
-    for s in st.kv:
-        new.kv[s].append(st.kv[s].view().clone())
-    for s in st.index:
-        new.index[s].append(st.index[s].view().clone())
-    new.pending = {k: (a.clone(), b.clone()) for k, (a, b) in st.pending.items()}
-    return new
 
 
 def test_exact_replay_reproduces_uninterrupted_run(tiny):

@@ -18,7 +18,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import threading
@@ -32,6 +31,7 @@ import pytest
 import cedlm.cache.store as S
 from cedlm import LLM, SamplingParams
 from cedlm.cache.store import DirStore, Record, StoreGuard, open_store
+from conftest import _free_port, _ping            # the redis fixture's own helpers
 
 # Measurements go to $CEDLM_TEST_RESULTS/store_faults.json when that is set (never into tests/).
 RESULTS = Path(os.environ["CEDLM_TEST_RESULTS"]) if os.environ.get("CEDLM_TEST_RESULTS") else None
@@ -221,21 +221,6 @@ def test_full_disk_is_a_miss_no_leak_and_recovers(tmp_path, monkeypatch, caplog)
 
 
 # ----------------------------------------------------------------------------- Redis
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 def _start_redis(workdir: Path, port: int | None = None) -> tuple[subprocess.Popen, int]:
