@@ -2,6 +2,8 @@
 
     DIR/config.json              ModelConfig.save_json (the official nested deepseek_v41 schema)
     DIR/model.safetensors        model.state_dict() (official tensor names, MoE gate bias buffers)
+    DIR/<part>.safetensors       optional component files added by later stages (mtp, vision);
+                                 all weight files are merged and loaded strictly
     DIR/tokenizer.json           the tokenizer the model was trained with
     DIR/tokenizer_config.json
     DIR/training_state.pt        (training checkpoints) optimizer, step, RNG states, sampler state
@@ -89,6 +91,29 @@ def set_token_map(model: CEDModel, tokenizer) -> None:
     model.engram_token_map[: len(ids)] = torch.tensor(ids, dtype=model.engram_token_map.dtype)
 
 
+def weight_files(ckpt: Path) -> list[Path]:
+    """`model.safetensors` first, then the component files beside it (`mtp.safetensors` for the
+    DSpark drafter, `vision.safetensors` for the ViT ...), so a stage trained on top of a model
+    adds its own file instead of rewriting the main one."""
+    main = ckpt / "model.safetensors"
+    if not main.exists():
+        raise FileNotFoundError(f"model: no model.safetensors in {ckpt}")
+    return [main] + sorted(f for f in ckpt.glob("*.safetensors") if f.name != main.name)
+
+
+def read_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The state dict of a checkpoint directory: every weight file merged; a tensor name in two
+    files is an error naming both."""
+    state: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
+    for f in weight_files(ckpt):
+        for k, v in load_file(str(f)).items():
+            if k in state:
+                raise ValueError(f"model: tensor {k!r} is in both {where[k]} and {f.name}")
+            state[k], where[k] = v, f.name
+    return state
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
     """-> (CEDModel in eval mode, Tokenizer) from a checkpoint (or run) directory.
 
@@ -101,7 +126,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
     else:
         cfg = ModelConfig.from_json(ckpt / "config.json")
         model = build_model(cfg)
-        model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=True)
+        model.load_state_dict(read_weights(ckpt), strict=True)
     tokenizer = load_tokenizer(ckpt)
     set_token_map(model, tokenizer)
     return model.to(device).eval(), tokenizer

@@ -42,6 +42,20 @@ def run_metadata(ckpt: Path, summary: dict | None = None) -> tuple[dict | None, 
     return summary, (json.loads(args.read_text("utf-8")) if args.exists() else None)
 
 
+# Component files of a model directory: tensors whose names start with one of the prefixes go to
+# `<part>.safetensors`, everything else to `model.safetensors` (`cedlm.checkpoint.read_weights`
+# merges them back). A stage trained on top of a shipped model then adds a file of its own.
+PARTS = {"mtp": ("mtp.",), "vision": ("vision.", "aligner.", "image_")}
+
+
+def split_parts(state: dict) -> dict[str, dict]:
+    out: dict[str, dict] = {"model": {}}
+    for k, v in state.items():
+        part = next((p for p, pre in PARTS.items() if k.startswith(pre)), "model")
+        out.setdefault(part, {})[k] = v
+    return out
+
+
 def export_model(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16,
                  summary: dict | None = None) -> Path:
     ckpt = resolve_checkpoint(src)
@@ -54,7 +68,8 @@ def export_model(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bf
         model.cfg.save_json(tmp / "config.json")
         state = {k: (v.to(dtype) if v.is_floating_point() and k.endswith("weight") else v).contiguous()
                  for k, v in model.state_dict().items()}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for part, tensors in split_parts(state).items():
+            save_file(tensors, str(tmp / f"{part}.safetensors"), metadata={"format": "pt"})
         tok.save(tmp)
         if (ckpt / "training_args.json").exists():
             shutil.copy(ckpt / "training_args.json", tmp / "training_args.json")
