@@ -44,12 +44,29 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
     n = x.shape[-2]
     xf = x.flatten(-2).float()                                       # [B, T, n*D]
     m = (xf @ fn.float().t()) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm_eps)
+    fast = _fast_mixes(m, base, scale)
+    if fast is not None:
+        pre, post, comb = fast(m.reshape(-1, m.shape[-1]).contiguous(), base, scale, hc_eps, iters)
+        lead = m.shape[:-1]
+        return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
     a0, a1, a2 = scale.float()
     b = base.float()
     pre = torch.sigmoid(a0 * m[..., :n] + b[:n]) + hc_eps
     post = 2 * torch.sigmoid(a1 * m[..., n:2 * n] + b[n:2 * n])
     comb = (a2 * m[..., 2 * n:] + b[2 * n:]).unflatten(-1, (n, n)).softmax(-1) + hc_eps
     return pre, post, sinkhorn(comb, iters, hc_eps)
+
+
+def _fast_mixes(*tensors: torch.Tensor):
+    """The compiled mixes (cedlm/quant/csrc/mhc.h, same operations as the lines below it in
+    `hc_mixes`) for inference on CPU, else None: training (autograd) and the reference switch
+    (CEDLM_REFERENCE_KERNELS=1) run the readable torch path."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    if any(t.device.type != "cpu" for t in tensors):
+        return None
+    from cedlm.quant.fast import ext_op
+    return ext_op("mhc_mixes")
 
 
 def first_pre(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""The compiled codec extension (``csrc/codecs.cpp``): ahead-of-time build and load.
+"""The compiled extension (``csrc/codecs.cpp``, which includes ``csrc/mhc.h``): ahead-of-time
+build and load. It holds the KV codecs and, beside them, the mHC mixes of cedlm/model/mhc.py
+(``mhc_mixes``; reached through ``fast.ext_op``).
 
     python -m cedlm.quant.ext build      # ./setup.sh runs this; about a minute of CPU (torch headers)
     python -m cedlm.quant.ext status     # built? stale? loadable?
@@ -28,12 +30,14 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "codecs.cpp"
 BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "cedlm_ext"
 # No -ffast-math, no FP contraction, no -march=native (the build may be copied to another CPU).
 CFLAGS = ["-O3", "-fno-fast-math", "-ffp-contract=off", "-fno-finite-math-only"]
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 def _stamp() -> str:
     h = hashlib.sha256()
     h.update(SOURCE.read_bytes())
+    for header in sorted(SOURCE.parent.glob("*.h")):        # included by the source
+        h.update(header.read_bytes())
     for part in (*CFLAGS, torch.__version__, sys.version, platform.machine(), str(ABI_VERSION)):
         h.update(b"\0" + part.encode())
     return h.hexdigest()

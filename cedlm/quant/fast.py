@@ -231,6 +231,15 @@ def fast_backend() -> str:
     return _backend
 
 
+def ext_op(name: str):
+    """A compiled kernel of the extension other than the codecs (e.g. ``"mhc_mixes"``) when the
+    extension is the active backend, else None: the caller then runs its reference path. The
+    reference switch and ``set_fast_backend("torch")`` turn these off too."""
+    if active_backend() != "ext":
+        return None
+    return getattr(_ext_module(), name, None)
+
+
 def active_backend() -> str:
     """What ``encode`` of a CPU V4.1-format tensor runs now: "reference", "ext" or "torch"."""
     if reference_kernels():

@@ -34,6 +34,8 @@
 #include <limits>
 #if defined(__SSE2__) && !defined(CEDLM_CODECS_SCALAR)
 #include <emmintrin.h>     // baseline on x86-64: no dispatch, no -march needed
+
+#include "mhc.h"            // mHC mixes (not a codec; one module keeps the build to one unit)
 #endif
 
 namespace {
@@ -291,12 +293,42 @@ at::Tensor quant_dequant(at::Tensor x, int64_t kind, int64_t block) {
   return out;
 }
 
-int64_t abi_version() { return 2; }
+// mHC mixes of many rows: m [R, (2+n)n] float32 (after the projection and the RMS scale),
+// base [(2+n)n], scale [3] -> (pre [R, n], post [R, n], comb [R, n, n]).
+std::vector<torch::Tensor> mhc_mixes(torch::Tensor m, torch::Tensor base, torch::Tensor scale,
+                                     double hc_eps, int64_t iters) {
+  TORCH_CHECK(m.dim() == 2 && m.scalar_type() == torch::kFloat32 && m.is_contiguous(),
+              "mhc_mixes: m must be a contiguous float32 [R, (2+n)n] tensor");
+  const int64_t R = m.size(0), W = m.size(1);
+  int64_t n = 1;
+  while ((2 + n) * n < W) ++n;
+  TORCH_CHECK((2 + n) * n == W, "mhc_mixes: width ", W, " is not (2+n)n");
+  auto b = base.to(torch::kFloat32).contiguous();
+  auto sc = scale.to(torch::kFloat32).contiguous();
+  TORCH_CHECK(b.numel() == W && sc.numel() == 3, "mhc_mixes: base/scale sizes");
+  auto pre = torch::empty({R, n}, m.options());
+  auto post = torch::empty({R, n}, m.options());
+  auto comb = torch::empty({R, n, n}, m.options());
+  const float* mp = m.data_ptr<float>();
+  const float* bp = b.data_ptr<float>();
+  const float* s = sc.data_ptr<float>();
+  float* pp = pre.data_ptr<float>();
+  float* qp = post.data_ptr<float>();
+  float* cp = comb.data_ptr<float>();
+  const float eps = static_cast<float>(hc_eps);
+  for (int64_t r = 0; r < R; ++r)
+    cedlm_mhc::mix_row(mp + r * W, bp, n, s[0], s[1], s[2], eps, iters, pp + r * n, qp + r * n,
+                       cp + r * n * n);
+  return {pre, post, comb};
+}
+
+int64_t abi_version() { return 3; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_tables", &set_tables);
   m.def("encode", &encode);
   m.def("decode", &decode);
   m.def("quant_dequant", &quant_dequant);
+  m.def("mhc_mixes", &mhc_mixes);
   m.def("abi_version", &abi_version);
 }
