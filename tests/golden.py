@@ -78,7 +78,7 @@ def _engine_cases(out):
     from cedlm import LLM, SamplingParams
     llm = LLM(max_num_seqs=4)
     res = llm.generate(["It is a truth universally acknowledged", "And God said"],
-                       SamplingParams(max_tokens=12, temperature=0.0))
+                       SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     out["small/engine_greedy_ids"] = torch.tensor([r.token_ids for r in res])
 
 

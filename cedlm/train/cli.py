@@ -51,7 +51,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                 continue
             raise
         sp = hook(stages)
-        stage_func = sp.get_defaults("func")
+        stage_func = sp.get_default("func")
 
         def checked(args, _f=stage_func, _name=name):
             bad = _stage_conflicts(args, pretrain_dests)

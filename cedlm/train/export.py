@@ -76,6 +76,8 @@ def export_model(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bf
         if summary:
             (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         write_model_files(tmp, model.cfg, tok, summary, training_args, weights="bf16")
+        for f in tmp.iterdir():              # atomic writers create owner-only (0600) files
+            f.chmod(0o644)
         tmp.chmod(0o755)
         if dst.exists():
             shutil.rmtree(dst)

@@ -124,6 +124,42 @@ def _training(args: dict, summary: dict) -> list[str]:
     return out
 
 
+# summary.json keys of the chat stage (`cedlm train chat`, cedlm.train.chat_eval) -> description
+_CHAT_ROWS = [
+    ("heldout_loss", "cross-entropy of the reference replies (nats/token)"),
+    ("finished_greedy", "replies that end their turn (EOS) within the budget, greedy"),
+    ("finished_sampled", "replies that end their turn within the budget, temperature 1"),
+    ("reply_tokens_greedy", "mean reply length in tokens, greedy"),
+    ("reply_tokens_sampled", "mean reply length in tokens, temperature 1"),
+    ("source_accuracy_greedy", "source questions answered with the right source, greedy"),
+]
+
+
+def _chat_stage(summary: dict) -> list[str]:
+    """The chat stage's section: what it trained and its held-out metrics before / after."""
+    if "chat_steps" not in summary:
+        return []
+    s = summary
+    L = ["", "## Chat stage", "",
+         f"A supervised stage (`cedlm train chat`) on top of the pretrained model: {s['chat_steps']} steps of "
+         f"{s.get('chat_rows_per_step')} rows of up to {s.get('chat_max_len')} tokens, "
+         f"{s.get('chat_assistant_tokens', 0):,} assistant tokens from {s.get('chat_train_conversations', 0):,} "
+         "conversations built from the training split (which source a quote is from, which book of the Bible, "
+         "the next sentence of a passage, what a standard-library function does from its docstring, greetings; "
+         "some multi-turn, with a system prompt, or in thinking mode), rendered with the V4.1 chat encoding; "
+         "the loss covers the assistant tokens and the EOS ending each turn. "
+         f"{s.get('chat_text_fraction_rows', 0):.0%} of the rows ({s.get('chat_text_fraction_tokens', 0):.0%} of "
+         "the loss tokens) are plain corpus text with the pretraining loss."]
+    if any(f"chat_after_{k}" in s for k, _ in _CHAT_ROWS):
+        n = s.get("chat_after_n_heldout")
+        L += ["", f"Held-out chat metrics on {n} conversations built from the validation split "
+              f"(replies of at most {s.get('chat_eval_max_tokens', '?')} tokens):", "",
+              "| metric | before | after |", "|---|---|---|"]
+        L += [f"| {d} | {_val(s.get(f'chat_before_{k}', '-'))} | {_val(s.get(f'chat_after_{k}', '-'))} |"
+              for k, d in _CHAT_ROWS if f"chat_after_{k}" in s]
+    return L
+
+
 def _is_default_corpus(args: dict) -> bool:
     return args.get("data") is not None and Path(args["data"]).as_posix().rstrip("/").endswith(DEFAULT_CORPUS)
 
@@ -146,6 +182,7 @@ def _data(args: dict) -> list[str]:
 
 _EVAL_ROWS = [
     ("", "this model"),
+    ("chat_base_", "the same model before its chat stage"),
     ("twin_", "decoder-only twin (full attention), same data and token budget"),
     ("unigram_", "unigram (add-one, fitted on the training split)"),
 ]
@@ -195,6 +232,7 @@ def model_card(cfg: ModelConfig, tokenizer=None, summary: dict | None = None,
     if summary.get("commands"):
         L += ["", "Reproduce (from the cedlm repository):", "", "```bash",
               *[str(c) for c in summary["commands"]], "```"]
+    L += _chat_stage(summary)
     L += ["", "## Evaluation", "", *_evaluation(summary)]
     recorded = {k: v for k, v in summary.items() if k != "commands"}
     if recorded:

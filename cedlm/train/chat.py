@@ -1,0 +1,266 @@
+"""`cedlm train chat`: a short supervised chat stage on top of a trained model.
+
+    cedlm train chat --init cedlm/assets/model --out runs/chat --steps 110 --threads 2
+    cedlm eval ppl --text data/corpus/val.txt --model runs/chat --json > runs/chat/val_ppl.json
+    cedlm train chat --out runs/chat --record-ppl runs/chat/val_ppl.json --export runs/chat/export
+
+The model learns the DeepSeek-V4.1 chat encoding and to end its turn: conversations built from the
+corpus (`cedlm.train.chat_data`: which source a quote is from, which book of the Bible, the next
+sentence of a passage, what a standard-library function does, greetings; some multi-turn, some
+with a system prompt, some in thinking mode), rendered by the same encoder the server uses. The
+loss covers the assistant tokens only, each turn's closing EOS included (the engine's stop token).
+A fraction of the rows (`--text-fraction`) are plain corpus windows with the pretraining loss on
+every token, so the model keeps most of its language modelling (README, "Chat stage": the
+measured trade-off between the text fraction, the end-of-turn rate and validation perplexity).
+
+Batches are right-padded to their longest row (causal attention: padding after a row cannot
+change it) and the loss ignores padding. The schedule is linear warmup then cosine decay, as in
+pretraining; the MoE gate biases keep their aux-loss-free balancing updates. The run directory gets
+`checkpoint/` (weights, tokenizer, `training_args.json` = the base model's plus this stage's under
+`chat_stage`), `metrics.jsonl`, `loss.png`, `summary.json` (the base model's summary plus `chat_*`
+keys: held-out chat metrics of `cedlm.train.chat_eval`, before and after; the pretrained model's
+validation perplexity as `chat_base_val_perplexity`) and, with `--export`, an exported model
+directory (`cedlm.train.export.export_model`). This model's own perplexity comes from `cedlm eval
+ppl` (an app of its own layer) and is recorded with `--record-ppl`. A stage run is not resumable:
+it is short; re-run it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+NAME = "chat"
+PREFIX = "chat_"
+DEFAULT_INIT = "cedlm/assets/model"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(NAME, help="supervised chat stage: V4.1 chat encoding, short answers, end of turn",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def a(flag, **kw):
+        kw.setdefault("dest", PREFIX + flag.lstrip("-").replace("-", "_"))
+        if kw.get("action") != "store_true":
+            kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
+        return p.add_argument(flag, **kw)
+    a("--init", default=DEFAULT_INIT, metavar="MODEL_DIR",
+      help=f"the model to start from (model dir or run dir; default {DEFAULT_INIT})")
+    a("--out", required=True, metavar="RUN_DIR", help="run directory")
+    a("--data", default="data/corpus", help="prepared corpus (default data/corpus)")
+    a("--steps", type=int, default=60, help="optimizer steps (default 60)")
+    a("--batch-size", type=int, default=16, help="rows per step (default 16)")
+    a("--max-len", type=int, default=128, help="longest conversation / text row in tokens (default 128)")
+    a("--lr", type=float, default=4e-4, help="peak learning rate (default 4e-4)")
+    a("--min-lr", type=float, default=4e-5, help="final learning rate (default 4e-5)")
+    a("--warmup", type=int, default=5, help="warmup steps (default 5)")
+    a("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default 0.1)")
+    a("--grad-clip", type=float, default=1.0, help="max global grad norm; 0 disables (default 1.0)")
+    a("--text-fraction", type=float, default=0.25,
+      help="fraction of rows that are plain corpus text (default 0.25)")
+    a("--examples", type=int, default=4000, help="training conversations to build (default 4000)")
+    a("--heldout", type=int, default=48, help="held-out conversations from the val split (default 48)")
+    a("--eval-max-tokens", type=int, default=64, help="reply budget of the held-out generation (default 64)")
+    a("--no-eval-before", action="store_true", help="skip the held-out chat metrics of the initial model")
+    a("--seed", type=int, default=0, help="seed of the data and order (default 0)")
+    a("--bias-update-rate", type=float, default=1e-3, help="MoE balancing bias step (default 1e-3)")
+    a("--threads", type=int, default=1, help="torch threads (default 1)")
+    a("--max-minutes", type=float, default=None, help="stop early (and save) after this wall time")
+    a("--export", default=None, metavar="MODEL_DIR", help="also export the result here (BF16 model dir)")
+    a("--no-progress", action="store_true", help="no per-step lines")
+    a("--record-ppl", default=None, metavar="PPL_JSON",
+      help="no training: record the output of `cedlm eval ppl --model RUN_DIR --json` as this run's "
+           "val_perplexity in RUN_DIR/summary.json (then --export, if given)")
+    p.set_defaults(func=lambda args: run(argparse.Namespace(**{
+        k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)})))
+    return p
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """Bad values raise ValueError naming the flag."""
+    for flag in ("steps", "batch_size", "max_len", "examples", "threads", "eval_max_tokens"):
+        if getattr(a, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(a, flag)}")
+    if a.heldout < 0:
+        raise ValueError(f"--heldout: must be >= 0, got {a.heldout}")
+    if a.warmup < 0:
+        raise ValueError(f"--warmup: must be >= 0, got {a.warmup}")
+    if not 0.0 <= a.text_fraction < 1.0:
+        raise ValueError(f"--text-fraction: must be in [0, 1), got {a.text_fraction}")
+    for flag in ("lr", "min_lr"):
+        if not getattr(a, flag) > 0 or not math.isfinite(getattr(a, flag)):
+            raise ValueError(f"--{flag.replace('_', '-')}: must be a positive number, got {getattr(a, flag)}")
+    if a.max_len < 32:
+        raise ValueError(f"--max-len: must be >= 32 tokens, got {a.max_len}")
+    if a.max_minutes is not None and not a.max_minutes > 0:
+        raise ValueError(f"--max-minutes: must be > 0, got {a.max_minutes}")
+    if not Path(a.data, "train.txt").exists():
+        raise ValueError(f"--data: no train.txt in {a.data} (run `cedlm data prepare`)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.record_ppl:
+            record_ppl(args)
+            return 0
+        check_args(args)
+        train_chat(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def masked_loss(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean cross-entropy over the masked targets, per-row sums [B, 2] of loss and count)."""
+    logits = model(ids[:, :-1])
+    tgt, m = ids[:, 1:], mask[:, 1:].to(logits.dtype)
+    ce = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="none").view_as(m)
+    rows = torch.stack([(ce * m).sum(1), m.sum(1)], 1)
+    return (ce * m).sum() / m.sum().clamp_min(1), rows.detach()
+
+
+def base_metadata(init: Path) -> tuple[dict, dict]:
+    """(summary.json, training_args.json) of the initial model, each {} when absent."""
+    from cedlm.checkpoint import resolve_checkpoint
+    ckpt = resolve_checkpoint(init)
+    out = []
+    for name in ("summary.json", "training_args.json"):
+        f = next((d / name for d in (ckpt, ckpt.parent) if (d / name).exists()), None)
+        out.append(json.loads(f.read_text("utf-8")) if f else {})
+    return out[0], out[1]
+
+
+def record_ppl(a: argparse.Namespace) -> dict:
+    """Store a `cedlm eval ppl --json` result of RUN_DIR's checkpoint in RUN_DIR/summary.json (the
+    numbers the model card shows for this model); export with --export."""
+    from cedlm.checkpoint import resolve_checkpoint
+    out = Path(a.out)
+    if not (out / "summary.json").exists():
+        raise ValueError(f"--out: {out} has no summary.json (run `cedlm train chat --out {out}` first)")
+    try:
+        got = json.loads(Path(a.record_ppl).read_text("utf-8"))
+        ppl, bpb = float(got["perplexity"]), float(got["bits_per_byte"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--record-ppl: {a.record_ppl} is not the JSON of `cedlm eval ppl --json` ({e})") from None
+    ckpt = resolve_checkpoint(out).resolve()
+    if Path(str(got.get("model", ""))).resolve() != ckpt:
+        raise ValueError(f"--record-ppl: {a.record_ppl} scored {got.get('model')!r}, not {ckpt}")
+    summary = json.loads((out / "summary.json").read_text("utf-8"))
+    summary.update(val_perplexity=ppl, val_bits_per_byte=bpb)
+    for k in ("tokens", "bytes"):
+        if k in got:
+            summary[f"val_{k}"] = got[k]
+    cmd = f"cedlm eval ppl --text {Path(a.data, 'val.txt').as_posix()} --model {a.out} --json"
+    summary["commands"] = [c for c in summary.get("commands", []) if c != cmd] + [cmd]
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if a.export:
+        from cedlm.train.export import export_model
+        export_model(ckpt, a.export, summary=summary)
+    return summary
+
+
+def train_chat(a: argparse.Namespace) -> dict:
+    """Run the stage; returns the summary dict (also written to RUN_DIR/summary.json)."""
+    from cedlm.checkpoint import load_model, save_checkpoint
+    from cedlm.train.chat_data import ChatBatches, build_examples, corpus_documents
+    from cedlm.train.chat_eval import chat_metrics
+    from cedlm.train.plot import plot_metrics
+    from cedlm.train.train import lr_at, param_groups, update_moe_bias
+
+    torch.set_num_threads(a.threads)
+    out = Path(a.out)
+    model, tok = load_model(a.init)
+    base_summary, base_args = base_metadata(Path(a.init))
+    train_docs = corpus_documents(a.data, "train")
+    val_docs = corpus_documents(a.data, "val")
+    t0 = time.time()
+    examples = build_examples(train_docs, tok, a.examples, a.seed, a.max_len)
+    heldout = build_examples(val_docs, tok, a.heldout, a.seed + 1, a.max_len) if a.heldout else []
+    batches = ChatBatches(examples, train_docs, tok, a.batch_size, a.max_len, a.text_fraction, a.seed)
+    log = (lambda *_: None) if a.no_progress else (lambda m: print(m, file=sys.stderr, flush=True))
+    log(f"cedlm train chat: {model.num_parameters() / 1e6:.2f}M params from {a.init}; "
+        f"{len(examples)} conversations ({time.time() - t0:.1f} s), {len(heldout)} held out; "
+        f"{a.steps} steps x {a.batch_size} rows, text fraction {a.text_fraction}, {a.threads} thread(s)")
+
+    summary = {k: v for k, v in base_summary.items() if not k.startswith(("chat", "sft"))}
+    for k in ("val_perplexity", "val_bits_per_byte"):        # the pretrained model's, measured before
+        if k in base_summary:                                 # (`cedlm eval ppl`; see its commands)
+            summary[f"chat_base_{k}"] = summary.pop(k)       # this model's: `cedlm eval ppl` after
+    summary["chat_eval_max_tokens"] = a.eval_max_tokens
+    if heldout and not a.no_eval_before:
+        before = chat_metrics(model, tok, heldout, a.eval_max_tokens, seed=a.seed)
+        summary.update({f"chat_before_{k}": v for k, v in before.items()})
+        log(f"held-out before: {json.dumps(before)}")
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.train()
+    opt = torch.optim.AdamW(param_groups(model, a.weight_decay), lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    sched = argparse.Namespace(lr=a.lr, min_lr=a.min_lr, warmup=a.warmup, steps=a.steps)
+    metrics: list[dict] = []
+    (out / "metrics.jsonl").write_text("")
+    t_start = time.time()
+    step, chat_tok, text_tok = 0, 0, 0
+    while step < a.steps:
+        t1 = time.time()
+        lr = lr_at(step, sched)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ids, mask, is_text = batches.next_batch()
+        loss, rows = masked_loss(model, ids, mask)
+        loss.backward()
+        gn = None
+        if a.grad_clip > 0:
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip).item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        update_moe_bias(model, a.bias_update_rate, 1)
+        step += 1
+        c, t = rows[~is_text].sum(0), rows[is_text].sum(0)
+        chat_tok, text_tok = chat_tok + int(c[1]), text_tok + int(t[1])
+        rec = {"step": step, "loss": loss.item(), "chat_loss": (c[0] / c[1]).item() if c[1] else None,
+               "text_loss": (t[0] / t[1]).item() if t[1] else None, "lr": lr, "grad_norm": gn,
+               "rows": list(ids.shape), "step_s": time.time() - t1, "elapsed": time.time() - t_start}
+        metrics.append(rec)
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        log(f"step {step}/{a.steps}: loss {rec['loss']:.3f} chat {rec['chat_loss'] or float('nan'):.3f} "
+            f"text {rec['text_loss'] or float('nan'):.3f} lr {lr:.2e} {rec['step_s']:.1f} s")
+        if a.max_minutes and time.time() - t_start >= a.max_minutes * 60:
+            log(f"time budget of {a.max_minutes} min reached at step {step}")
+            break
+    model.eval()
+    wall = time.time() - t_start
+    plot_metrics([{**r, "loss": r["chat_loss"] if r["chat_loss"] is not None else r["loss"]} for r in metrics],
+                 out / "loss.png")
+
+    stage = {k: v for k, v in vars(a).items() if k not in ("func",)}
+    stage.update(step=step, command="train chat")
+    training_args = {**base_args, "chat_stage": stage}
+    summary.update(chat_steps=step, chat_rows_per_step=a.batch_size, chat_max_len=a.max_len,
+                   chat_text_fraction_rows=a.text_fraction,
+                   chat_text_fraction_tokens=round(text_tok / max(1, chat_tok + text_tok), 4),
+                   chat_assistant_tokens=chat_tok, chat_text_tokens=text_tok,
+                   chat_train_conversations=len(examples), chat_train_wall_s=round(wall),
+                   chat_threads=a.threads, chat_final_loss=metrics[-1]["chat_loss"] if metrics else None)
+    if heldout:
+        after = chat_metrics(model, tok, heldout, a.eval_max_tokens, seed=a.seed)
+        summary.update({f"chat_after_{k}": v for k, v in after.items()})
+        log(f"held-out after: {json.dumps(after)}")
+    cmd = (f"cedlm train chat --init {a.init} --out {a.out} --steps {a.steps} --batch-size {a.batch_size} "
+           f"--max-len {a.max_len} --lr {a.lr:g} --min-lr {a.min_lr:g} --warmup {a.warmup} "
+           f"--text-fraction {a.text_fraction} --examples {a.examples} --seed {a.seed} --threads {a.threads}")
+    summary["commands"] = list(base_summary.get("commands", [])) + [cmd]
+    save_checkpoint(out / "checkpoint", model, tok, training_args=training_args)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if a.export:
+        from cedlm.train.export import export_model
+        export_model(out / "checkpoint", a.export, summary=summary)
+        log(f"exported to {a.export}")
+    return summary
