@@ -125,8 +125,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
         model, _ = load_official_model(ckpt)
     else:
         cfg = ModelConfig.from_json(ckpt / "config.json")
-        model = build_model(cfg)
-        model.load_state_dict(read_weights(ckpt), strict=True)
+        state = read_weights(ckpt)
+        # The DSpark drafter is built when the directory ships its weights (mtp.safetensors).
+        model = build_model(cfg, dspark=any(k.startswith("mtp.") for k in state))
+        model.load_state_dict(state, strict=True)
     tokenizer = load_tokenizer(ckpt)
     set_token_map(model, tokenizer)
     return model.to(device).eval(), tokenizer

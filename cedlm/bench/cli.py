@@ -13,7 +13,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="small sizes (a smoke test; minutes, results under bench/results/quick)")
     p.add_argument("--only", metavar="NAME,...",
-                   help="figures to run: kv_bytes, capacity, prefill, decode, resume, formats, peer")
+                   help="figures to run: kv_bytes, capacity, prefill, decode, resume, formats, peer, dspark")
     p.add_argument("--out", type=Path, metavar="DIR",
                    help=f"results directory (default {FULL_OUT}, or {QUICK_OUT} with --quick)")
     p.add_argument("--md", type=Path, metavar="PATH",
@@ -28,6 +28,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="(the default; kept for compatibility) never pip-install anything")
     p.add_argument("--no-profile", action="store_true", help="do not profile missed targets")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dspark-model", type=Path, default=None, metavar="DIR",
+                   help="dspark figure: the model dir with its trained drafter (mtp.safetensors; "
+                        "default runs/dspark/export)")
     p.set_defaults(func=run)
 
 
@@ -53,7 +56,8 @@ def run(args) -> int:
         md = Path("BENCHMARKS.md") if args.out is None and not args.quick else out / "BENCHMARKS.md"
     ctx = Ctx(quick=args.quick, out=out, threads=args.threads,
               install=args.install_peer and not args.no_install,
-              profile=not args.no_profile, seed=args.seed, log=lambda s: print(s, flush=True))
+              profile=not args.no_profile, seed=args.seed, log=lambda s: print(s, flush=True),
+              dspark_model=args.dspark_model)
     results = run_figures(names, ctx, md)
     print(f"results: {out}/  report: {md}")
     return 1 if any(r.get("error") for r in results) else 0

@@ -82,6 +82,7 @@ class Ctx:
     profile: bool = True                 # profile figures that miss their target
     seed: int = 0
     log: object = print
+    dspark_model: Path | None = None     # dspark figure: model dir with mtp.safetensors
     _models: dict = field(default_factory=dict)
 
     def size(self, full, quick):

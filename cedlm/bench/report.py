@@ -43,7 +43,7 @@ change):
 
 | key | meaning |
 |---|---|
-| `name`, `title`, `schema` | figure id (`kv_bytes`, `capacity`, `prefill`, `decode`, `resume`, `formats`, `peer`), title, schema version (1) |
+| `name`, `title`, `schema` | figure id (`kv_bytes`, `capacity`, `prefill`, `decode`, `resume`, `formats`, `peer`, `dspark`), title, schema version (1) |
 | `quick` | true for `--quick` sizes |
 | `env` | `torch`, `python`, `threads`, `cpu` (/proc/cpuinfo model name), `cpu_count`, `platform`, `date` (UTC ISO), `git_commit`, `git_dirty`, `loadavg_at_start` |
 | `config` | the figure's sizes and settings |
@@ -63,9 +63,10 @@ Row keys by figure:
 * `resume`: `rows`: `store`, `context`, `bytes`, `bytes_per_token`, `ced_over_this`; `timing`: `method` (`restore_bounded`, `restore_exact`, `store_read`, `reprefill`), `context`, `replayed_tokens`, `median_s`, `min_s`, `max_s`, `n`, `spread`, `speedup_vs_reprefill`; `targets` (`bytes`, `resume`) `ratios_small40` (per context: `vs_v4_flash`, `bytes_ratio_vs_v4_flash`: the `small40` preset, official 40-layer V4.1 schedule, against `small40-v4flash`, V4-Flash's 43-layer schedule, both at small width) and `official_planner`.
 * `formats`: `format`, `dim`, `entries`, `encoded_bytes`, `input_bytes`, `encode_s`, `decode_s`, `memcpy_s`, `memcpy_input_s`, `codec_gbps`, `memcpy_gbps`, `ratio`, `ratio_vs_input_memcpy`, `spread`, `v41`.
 * `peer`: `batch`, `context`, `new_tokens`, `ced_s`, `hf_s`, `ced_tokens_per_s`, `hf_tokens_per_s`, `ratio`, `spread`.
+* `dspark`: `batch`, `config` (`plain`, `dspark_block`, `dspark_scheduled`), `decode_s`, `decode_tokens`, `tokens_per_s`, `speedup`, `speedup_median`, `rounds`, `identical`; speculative rows also `tokens_per_forward`, `acceptance_by_position`, `verified_tokens`, `accepted_tokens`, `drafted_tokens`, `steps`, `draft_seconds`, `verify_seconds`, `draft_ms_per_step`; `targets` (`accepted`, `speedup`, `identical`).
 """
 
-ORDER = ["kv_bytes", "capacity", "prefill", "decode", "resume", "formats", "peer"]
+ORDER = ["kv_bytes", "capacity", "prefill", "decode", "resume", "formats", "peer", "dspark"]
 
 
 def _marker(name: str, end: bool) -> str:

@@ -131,6 +131,11 @@ class BlockTable:
         assert not self.blocks
         self.blocks = list(blocks)
 
+    def truncate(self, n_blocks: int) -> None:
+        """Release the blocks past the first n_blocks."""
+        while len(self.blocks) > n_blocks:
+            self.pool.release(self.blocks.pop())
+
     def free(self) -> None:
         for b in reversed(self.blocks):
             self.pool.release(b)

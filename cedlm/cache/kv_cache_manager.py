@@ -43,6 +43,12 @@ def _cache_salt(req) -> str | None:
     return getattr(getattr(req, "params", None), "cache_salt", None)
 
 
+def _image_spans(req) -> list[tuple[int, int, bytes]] | None:
+    """(start, length, digest) of the request's image spans (vision prompts), else None."""
+    ims = getattr(req, "images", None)
+    return [(im.start, im.length, im.image.digest) for im in ims] if ims else None
+
+
 class KVCacheManager:
     def __init__(self, layout: KVLayout, num_blocks: int, block_tokens: int, *,
                  fingerprint: bytes = b"", enable_prefix_cache: bool = True, store=None):
@@ -64,14 +70,15 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def hashes(self, ids: list[int], cache_salt: str | None = None) -> list[bytes]:
+    def hashes(self, ids: list[int], cache_salt: str | None = None, spans=None) -> list[bytes]:
         """Block hashes salted with the model fingerprint and, if given, a request's cache salt
-        (requests with different salts never share blocks)."""
+        (requests with different salts never share blocks); `spans`: the request's image spans
+        (start, length, content digest), mixed into the blocks they touch."""
         salt = self.fingerprint
         if cache_salt:
             salt = hashlib.blake2b(b"cedlm.cache_salt.v1\x00" + salt + cache_salt.encode("utf-8", "surrogatepass"),
                                    digest_size=16).digest()
-        return block_hashes(ids, self.block_tokens, salt=salt)
+        return block_hashes(ids, self.block_tokens, salt=salt, spans=spans)
 
     # ---------------------------------------------------------------- the four verbs
     def get_computed_blocks(self, req, use_prefix_cache: bool = True) -> int:
@@ -83,7 +90,7 @@ class KVCacheManager:
         if not (self.enable_prefix_cache and use_prefix_cache):
             return 0
         bt, ids = self.block_tokens, req.all_ids
-        hashes = self.hashes(ids, _cache_salt(req))[: (len(ids) - 1) // bt]        # leave >= 1 token to run
+        hashes = self.hashes(ids, _cache_salt(req), _image_spans(req))[: (len(ids) - 1) // bt]        # leave >= 1 token to run
         blocks = self.pool.lookup(hashes)
         try:
             blocks += self._load_blocks(hashes[len(blocks):])
@@ -106,6 +113,14 @@ class KVCacheManager:
         req.num_blocks = len(req.table.blocks)
         return True
 
+    def trim(self, req, num_tokens: int) -> None:
+        """Release req's blocks past its first num_tokens positions (the rows of rejected
+        speculative tokens); blocks it still needs stay."""
+        keep = -(-num_tokens // self.block_tokens)
+        if req.table is not None and len(req.table.blocks) > keep:
+            req.table.truncate(keep)
+            req.num_blocks = len(req.table.blocks)
+
     def free(self, req) -> None:
         """Publish req's full blocks, then release everything it holds."""
         if req.table is not None:
@@ -122,7 +137,8 @@ class KVCacheManager:
         bt = self.block_tokens
         n_full = min(req.num_cached // bt, len(req.table.blocks))
         store_ok = True                          # one failed write per call at most
-        for b, h in zip(req.table.blocks, self.hashes(req.all_ids[: n_full * bt], _cache_salt(req))):
+        for b, h in zip(req.table.blocks, self.hashes(req.all_ids[: n_full * bt], _cache_salt(req),
+                                                      _image_spans(req))):
             self.pool.register(b, h)
             if store_ok:
                 store_ok = self._store_block(b, h)

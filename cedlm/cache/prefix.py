@@ -8,6 +8,11 @@ Block hash chain (``digest_size=16``)::
     h_{-1} = 16 zero bytes
     h_i    = blake2b(h_{i-1} || salt || int32_le(token ids of block i))
 
+With images (``spans``: (start, length, 16-byte content digest) per image span), every span
+that overlaps block i adds ``b"img" || int64_le(start, length) || digest`` after the token ids,
+so equal token ids with different images never share a block (blocks without images, and calls
+without spans, hash exactly as before).
+
 Only FULL blocks are hashed; a trailing partial block has no hash (it cannot be shared yet).
 Because every h_i covers all tokens before it, equal h_i means an equal whole prefix (up to
 collisions of a 128-bit hash), so a cache lookup can walk the list and stop at the first miss.
@@ -37,7 +42,8 @@ def _token_bytes(block: Iterable[int]) -> bytes:
     return np.asarray(ids, dtype="<i4").tobytes()
 
 
-def block_hashes(token_ids: Iterable[int], block_tokens: int, salt: bytes = b"") -> list[bytes]:
+def block_hashes(token_ids: Iterable[int], block_tokens: int, salt: bytes = b"",
+                 spans: list[tuple[int, int, bytes]] | None = None) -> list[bytes]:
     """Chained 16-byte hashes of the full ``block_tokens``-sized blocks of ``token_ids``.
 
     ``len(result) == len(token_ids) // block_tokens``. ``salt`` (e.g. ``model_fingerprint(...)``)
@@ -58,6 +64,9 @@ def block_hashes(token_ids: Iterable[int], block_tokens: int, salt: bytes = b"")
         h.update(prev)
         h.update(salt)
         h.update(_token_bytes(ids[start:start + block_tokens]))
+        for s0, n, digest in spans or ():
+            if s0 < start + block_tokens and s0 + n > start:
+                h.update(b"img" + np.asarray([s0, n], dtype="<i8").tobytes() + bytes(digest))
         prev = h.digest()
         out.append(prev)
     return out

@@ -102,6 +102,8 @@ def validate(cfg: "ModelConfig") -> None:
              f"layer {c} is not an index source")
         need(cfg.candidate_block_size > 0 and cfg.candidate_topk_blocks > 0,
              "candidate_block_size", "candidate_block_size and candidate_topk_blocks must be > 0")
+    if cfg.index_source_layer_ids:
+        need(cfg.index_topk > 0, "index_topk", f"must be positive, got {cfg.index_topk}")
     d0 = cfg.decoder_start
     for i in range(d0, L):
         need(cfg.compress_ratios[i] == 1, "compress_ratios",

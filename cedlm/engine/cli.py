@@ -43,6 +43,11 @@ def add_parser(sub) -> None:
     p.add_argument("--engram-mmap", "--engram_mmap", dest="engram_mmap", default=None,
                    help="directory to memory-map the Engram tables from (host memory / disk)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--speculative", nargs="?", const="dspark", default=None, metavar="METHOD",
+                   help="speculative decoding with the model's DSpark drafter (mtp.safetensors)")
+    p.add_argument("--speculative-threshold", "--speculative_threshold", dest="speculative_threshold",
+                   type=float, default=0.0,
+                   help="verify drafts while the product of their confidences is >= this (0: whole block)")
     p.set_defaults(func=run)
 
 
@@ -79,9 +84,11 @@ def _run(args) -> int:
     t0 = time.monotonic()
     try:
         llm = LLM(model=args.model, prefill_mode=args.prefill_mode, num_threads=args.threads,
-                  engram_mmap=args.engram_mmap)
+                  engram_mmap=args.engram_mmap, speculative=args.speculative,
+                  speculative_threshold=args.speculative_threshold)
     except (OSError, ValueError) as e:          # no such model, bad config (ConfigError), unreadable
-        return _error(str(e) if str(e).startswith("model") else f"model: {e}")
+        return _error(str(e) if str(e).startswith(("model", "speculative", "num_draft_tokens"))
+                      else f"model: {e}")
     except Exception as e:                      # noqa: BLE001 - a checkpoint that does not load
         return _error(f"model: {args.model!r} could not be loaded: {type(e).__name__}: {e}")
     t1 = time.monotonic()
@@ -106,6 +113,8 @@ def _run(args) -> int:
         "prefix_cache_hits": st["prefix_hits"], "encoder_tokens": st["encoder_tokens"],
         "decoder_prefill_tokens": st["decoder_prefill_tokens"],
     }
+    if args.speculative:
+        stats.update({k: v for k, v in st.items() if k.startswith("spec_")})
     scored = [e for e in (out.prompt_logprobs or []) if e is not None]
     if out.prompt_logprobs is not None:
         total = sum(e.logprob for e in scored)

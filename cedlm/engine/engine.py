@@ -24,11 +24,13 @@ import torch
 
 from cedlm.cache.kv_cache_manager import KVCacheManager, blocks_for_budget
 from cedlm.cache.prefix import model_fingerprint
+from cedlm.engine.images import expand as expand_images, span_embeds as image_span_embeds
 from cedlm.engine.request import Request, Status, TokenLogprob
 from cedlm.engine.sampler import Sampler, make_generator
 from cedlm.engine.sampling_params import SamplingParams
 from cedlm.engine.stop import StopChecker
 from cedlm.engine.scheduler import Scheduler
+from cedlm.engine.speculative import DSparkSpeculator, SpeculativeConfig
 from cedlm.model import PREFILL_MODES, CEDModel
 from cedlm.model.replay import REPLAY_MODES
 from cedlm.model.state import SequenceState
@@ -67,8 +69,11 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model: CEDModel, tokenizer=None, config: EngineConfig | None = None, store=None):
+    def __init__(self, model: CEDModel, tokenizer=None, config: EngineConfig | None = None, store=None,
+                 speculative: SpeculativeConfig | None = None):
         self.model, self.tokenizer = model.eval(), tokenizer
+        # DSpark speculative decoding (engine/speculative.py): None decodes one token per step.
+        self.speculator = DSparkSpeculator(model, speculative) if speculative is not None else None
         self.cfg = config or EngineConfig()
         layout = model.kv_layout
         self.block_tokens = layout.round_block_tokens(self.cfg.block_tokens)
@@ -99,17 +104,17 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, images=None) -> Request:
         """One request of one sample; a request for several (n / best_of > 1) goes through
         `add_samples`."""
         params = params or SamplingParams()
         if params.num_samples > 1:
             raise ValueError(f"n: a request for {params.num_samples} samples (n / best_of) has one "
                              f"Request per sample: use Engine.add_samples")
-        return self.add_samples(prompt_ids, params, request_id)[0]
+        return self.add_samples(prompt_ids, params, request_id, images)[0]
 
     def add_samples(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> list[Request]:
+                    request_id: str | None = None, images=None) -> list[Request]:
         """The `params.num_samples` (best_of, else n) samples of one prompt, one Request each:
         ids `request_id` for a single sample, else `{request_id}-{i}`; all carry `group_id =
         request_id` and `sample_index = i`, and sample i runs under `params.for_sample(i)` (seed +
@@ -119,8 +124,12 @@ class Engine:
         the same logits. A sample that cannot start then (no free sequence slot or block) is
         queued at the front and prefills on its own (prefix-cache hit when the cache is on). Pick
         the returned ones with `request.select_samples(samples, params.n)` once all finished;
-        abort a group by aborting every sample's id."""
+        abort a group by aborting every sample's id. `images` (vision models): one per image
+        placeholder in the prompt, in order (`cedlm.engine.images.expand`)."""
         params = params or SamplingParams()
+        req_images = []
+        if images:
+            prompt_ids, req_images = expand_images(self.model, prompt_ids, images)
         V = self.model.cfg.vocab_size
         bad = [t for t in prompt_ids if not 0 <= int(t) < V]
         if bad:
@@ -132,6 +141,7 @@ class Engine:
         reqs = [self._make_request(gid if k == 1 else f"{gid}-{i}", ids, params.for_sample(i), gid, i)
                 for i in range(k)]
         for r in reqs:
+            r.images = req_images
             self.scheduler.check(r)
         self.scheduler.add(reqs[0])
         reqs[0].forks = reqs[1:]
@@ -206,6 +216,8 @@ class Engine:
 
     def _new_state(self, req: Request) -> SequenceState:
         st = self.model.new_state(rows=self.kv.rows(req))
+        if req.images:
+            st.images = image_span_embeds(self.model, req.images)
         hit = req.num_prefix_hit
         if hit:
             st.adopt_prefix(req.all_ids[:hit])            # entries are in the adopted blocks
@@ -225,7 +237,7 @@ class Engine:
         self.counters["encoder_tokens"] += n
         # num_cached grows only after the chunk ran: a failure mid-chunk never publishes
         # half-written blocks to the prefix cache.
-        done = req.prefill.step()
+        done = req.prefill.step() if self.speculator is None else self.speculator.prefill_step(req)
         req.num_cached += n
         if not done:
             return []
@@ -280,6 +292,11 @@ class Engine:
         return True
 
     def _decode(self, reqs: list[Request]) -> list[Request]:
+        if self.speculator is not None:
+            return self.speculator.step(self, reqs)
+        return self._decode_plain(reqs)
+
+    def _decode_plain(self, reqs: list[Request]) -> list[Request]:
         ids = [r.output_ids[-1] for r in reqs]
         logits = self.model.decode(ids, [r.state for r in reqs])
         for r in reqs:
@@ -322,33 +339,46 @@ class Engine:
                 finished.append(r)
                 continue
             tok_t, lp, top = sample
-            tok = int(tok_t)
-            r.output_ids.append(tok)
-            r.output_logprobs.append(float(lp))
-            if top is not None:
-                r.top_logprobs.append(top)
-            r.first_token_time = r.first_token_time or now
-            self.counters["generation_tokens"] += 1
-            delta = r.detok.push(tok) if r.detok is not None else ""
-            st = r.stop.update_delta(tok, delta)
-            r.text += st.text
-            if not st.finished and r.num_tokens >= self.max_model_len:
-                st = r.stop.finish("length")
-                r.text += st.text
-            if st.finished:
-                r.finish_reason = st.reason
-                r.finish_time = now
-                self.scheduler.finish(r)
-                self.counters["requests_finished"] += 1
+            if self._emit(r, int(tok_t), float(lp), top, now):
                 finished.append(r)
         return finished
+
+    def _emit(self, r: Request, tok: int, lp: float, top, now: float) -> bool:
+        """Append one sampled token to r, check its stops; True when r finished (then
+        finished with the scheduler)."""
+        r.output_ids.append(tok)
+        r.output_logprobs.append(lp)
+        if top is not None:
+            r.top_logprobs.append(top)
+        r.first_token_time = r.first_token_time or now
+        self.counters["generation_tokens"] += 1
+        delta = r.detok.push(tok) if r.detok is not None else ""
+        st = r.stop.update_delta(tok, delta)
+        r.text += st.text
+        if not st.finished and r.num_tokens >= self.max_model_len:
+            st = r.stop.finish("length")
+            r.text += st.text
+        if st.finished:
+            r.finish_reason = st.reason
+            r.finish_time = now
+            self.scheduler.finish(r)
+            self.counters["requests_finished"] += 1
+            return True
+        return False
 
     # ---------------------------------------------------------------- stats
     def snapshot(self) -> EngineSnapshot:
         s = self.scheduler
         return EngineSnapshot(num_running=len(s.active), num_waiting=len(s.waiting),
                               max_num_seqs=s.max_num_seqs, pool_tokens=s.num_blocks * s.block_tokens,
-                              kv=self.kv_stats(), peak=dict(self.peak), counters=dict(self.counters))
+                              kv=self.kv_stats(), peak=dict(self.peak), counters=self.all_counters())
+
+    def all_counters(self) -> dict:
+        """The engine's counters, with the speculative ones (`spec_*`) when it speculates."""
+        c = dict(self.counters)
+        if self.speculator is not None:
+            c.update(self.speculator.stats.as_dict())
+        return c
 
     def kv_stats(self) -> dict:
         active = [r for r in self.scheduler.active if r.state is not None]

@@ -60,12 +60,35 @@ def completion_output(r: Request) -> CompletionOutput:
                             r.cumulative_logprob)
 
 
+def _split_images(prompt):
+    """(prompt, images or None) of a generate() prompt (a dict carries multi_modal_data)."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    if "prompt" not in prompt:
+        raise ValueError("prompt: a dict prompt needs 'prompt' (text or token ids)")
+    images = (prompt.get("multi_modal_data") or {}).get("image")
+    if images is not None and not isinstance(images, (list, tuple)):
+        images = [images]
+    return prompt["prompt"], list(images) if images else None
+
+
 class LLM:
     def __init__(self, model=None, tokenizer=None, *, prefill_mode: str = "bounded",
                  kv_budget_bytes: int = 256 << 20, max_num_seqs: int = 16, block_tokens: int = 64,
                  prefill_chunk: int = 512, replay_mode: str = "bounded", enable_prefix_cache: bool = True,
                  max_model_len: int | None = None, store=None, seed: int = 0,
-                 num_threads: int | None = None, engram_mmap: str | None = None):
+                 num_threads: int | None = None, engram_mmap: str | None = None,
+                 speculative: str | None = None, speculative_threshold: float = 0.0,
+                 num_draft_tokens: int | None = None):
+        """speculative="dspark": DSpark speculative decoding with the model's drafter (its
+        `mtp.safetensors`); speculative_threshold: verify drafts while the product of their
+        confidences stays >= it (0: the whole block); num_draft_tokens: at most this many per block."""
+        spec = None
+        if speculative is not None:           # the options first: fail before loading a model
+            from cedlm.engine.speculative import SpeculativeConfig
+            spec = SpeculativeConfig(speculative, speculative_threshold, num_draft_tokens)
+        elif speculative_threshold or num_draft_tokens is not None:
+            raise ValueError("speculative: speculative_threshold / num_draft_tokens need speculative='dspark'")
         if num_threads is not None:
             import torch
             torch.set_num_threads(num_threads)
@@ -84,7 +107,8 @@ class LLM:
         self.engine = Engine(self.model, self.tokenizer, EngineConfig(
             kv_budget_bytes=kv_budget_bytes, max_num_seqs=max_num_seqs, block_tokens=block_tokens,
             prefill_chunk=prefill_chunk, prefill_mode=prefill_mode, replay_mode=replay_mode,
-            enable_prefix_cache=enable_prefix_cache, max_model_len=max_model_len), store=store)
+            enable_prefix_cache=enable_prefix_cache, max_model_len=max_model_len), store=store,
+            speculative=spec)
 
     def encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -96,8 +120,10 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Strings or token-id lists (one or many) -> one RequestOutput per prompt, in order
-        (with n > 1 / best_of, its `outputs` holds the n samples)."""
-        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        (with n > 1 / best_of, its `outputs` holds the n samples). A prompt with images (vision
+        models) is a dict `{"prompt": str | ids, "multi_modal_data": {"image": img | [img, ...]}}`
+        with one `<｜deepseek_image｜>` placeholder per image (PIL image, bytes, path or data: URL)."""
+        single = isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int))
         if single:
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -108,7 +134,9 @@ class LLM:
         t0 = time.monotonic()
         try:
             for p, sp in zip(prompts, params):
-                groups.append(self.engine.add_samples(self.encode(p), sp or SamplingParams()))
+                p, images = _split_images(p)
+                groups.append(self.engine.add_samples(self.encode(p), sp or SamplingParams(),
+                                                      images=images))
             reqs = [r for g in groups for r in g]
             while any(not r.finished for r in reqs):
                 self.engine.step()
@@ -126,6 +154,7 @@ class LLM:
             lead = g[0]
             samples = [completion_output(r) for r in select_samples(g, (sp or SamplingParams()).n)]
             first = samples[0]
+            p = _split_images(p)[0]
             outs.append(RequestOutput(
                 lead.group_id, p if isinstance(p, str) else None, list(lead.prompt_ids), first.text,
                 first.token_ids, first.finish_reason, first.logprobs, first.top_logprobs,
@@ -149,6 +178,7 @@ class LLM:
             raise ValueError("messages: this model has no tokenizer; use generate() with token ids")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages: a list of message dicts, or a list of such lists")
+        from cedlm.text.images import message_images
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
         ids, texts = [], []
         for conv in convs:
@@ -157,6 +187,9 @@ class LLM:
             args = (list(conv), thinking_mode, reasoning_effort, drop_thinking, tools)
             texts.append(encode_chat(*args))
             ids.append(encode_chat_ids(args[0], self.tokenizer, *args[1:]))
+            images = message_images(args[0])
+            if images:
+                ids[-1] = {"prompt": ids[-1], "multi_modal_data": {"image": images}}
         outs = self.generate(ids, sampling_params)
         for o, t in zip(outs, texts):
             o.prompt = t
@@ -182,4 +215,4 @@ class LLM:
         return restore_session(self.model, self.engine.store, key, self.engine.fingerprint, mode)
 
     def stats(self) -> dict:
-        return {**self.engine.counters, **self.engine.kv_stats()}
+        return {**self.engine.all_counters(), **self.engine.kv_stats()}

@@ -65,6 +65,7 @@ class Request:
     group_id: str | None = None          # the id the caller gave the prompt (= request_id for one sample)
     sample_index: int = 0
     forks: list[Any] = field(default_factory=list)   # samples waiting to start from this one's prefill
+    images: list[Any] = field(default_factory=list)  # RequestImage per image span (engine/images.py)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -1,4 +1,5 @@
-"""`cedlm eval` sub-commands: `ppl` (perplexity, bits/byte of a text) and `unigram` (baseline)."""
+"""`cedlm eval` sub-commands: `ppl` (perplexity, bits/byte of a text), `unigram` (baseline),
+`fidelity` and `ablate` (compressions against a reference: `fidelity_cli.py`)."""
 from __future__ import annotations
 
 import argparse
@@ -70,6 +71,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     u.add_argument("--cache-dir", help="token cache dir for --train (default: beside it, tokens/)")
     u.add_argument("--json", action="store_true", help="print a JSON object")
     u.set_defaults(func=_unigram)
+
+    from cedlm.eval.fidelity_cli import add_parsers
+    add_parsers(sub)
     return p
 
 

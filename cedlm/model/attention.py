@@ -24,13 +24,14 @@ from cedlm.model.rope import Rope
 from cedlm.quant import store_round
 
 
-def attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool):
+def attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool, return_probs: bool = False):
     """One softmax over [window keys || compressed keys] plus a per-head sink logit.
 
     q [B,T,H,hd]; win_k [B,W,hd], win_valid [B,T,W]; sink [H].
     dense=False: comp_k [B,T,k,hd] gathered per query, comp_valid [B,T,k].
     dense=True (reference / training): comp_k [B,N,hd] all entries, comp_valid [B,T,N] top-k mask.
-    Returns [B, T, H, hd] fp32.
+    Returns [B, T, H, hd] fp32; with return_probs, also the probabilities of the compressed
+    entries [B, H, T, N or k] (indexer distillation).
     """
     qf = q.float()
     sw = torch.einsum("bthd,bwd->bhtw", qf, win_k.float()) * scale
@@ -48,7 +49,7 @@ def attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool):
     if comp_k is not None:
         eq = "bhtn,bnd->bthd" if dense else "bhtn,btnd->bthd"
         out = out + torch.einsum(eq, p[..., W:-1], comp_k.float())
-    return out
+    return (out, p[..., W:-1]) if return_probs else out
 
 
 class Attention(nn.Module):
@@ -97,6 +98,21 @@ class Attention(nn.Module):
         if not batch.replay:
             self.compress(x, batch, cache)
 
+    def _probed(self, probe, q, win_k, win_valid, comp_k, comp_valid, cache, pos):
+        """`attend` that also gives its index source's probe this layer's attention over the
+        compressed entries (and, with sparse selection, the attention it would give every visible
+        entry, for the top-k recall)."""
+        o, p = attend(q, win_k, win_valid, comp_k, comp_valid, self.attn_sink, self.hd ** -0.5,
+                      dense=True, return_probs=True)
+        dense_p = None
+        if not probe.dense:
+            visible = cache.entry_ends(self.src).unsqueeze(1) <= pos.unsqueeze(-1)
+            with torch.no_grad():
+                dense_p = attend(q, win_k, win_valid, comp_k, visible, self.attn_sink,
+                                 self.hd ** -0.5, dense=True, return_probs=True)[1]
+        probe.add_attention(self.isrc, p, dense_p)
+        return o
+
     # ---------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """x: normalised attention input [B, T, D] at batch.positions -> [B, T, D]."""
@@ -116,6 +132,9 @@ class Attention(nn.Module):
         qp, kp = pos.unsqueeze(-1), win_pos.unsqueeze(1)
         win_valid = (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)    # [B, T, W]
         comp_k = comp_valid = None
+        # Every entry is read densely, with a mask: the training cache, and a config whose
+        # index_topk covers any context (it selects every entry: the fidelity reference).
+        dense = cache.dense or cfg.index_topk >= cfg.max_position_embeddings
         if self.ratio > 0:
             if self.sparse:
                 idx, valid = (self.indexer.select(qr, x, batch, cache) if self.role in ("full", "reindex")
@@ -125,14 +144,17 @@ class Attention(nn.Module):
                 N = ends.shape[1]
                 idx = torch.arange(N).expand(B, T, N)
                 valid = ends.unsqueeze(1) <= pos.unsqueeze(-1)
-            if cache.dense:
+            if dense:
                 comp_k = cache.all_kv(self.src)
                 comp_valid = torch.zeros(B, T, comp_k.shape[1], dtype=torch.bool)
                 comp_valid.scatter_(-1, idx, valid)
             else:
                 comp_k, comp_valid = cache.gather_kv(self.src, idx), valid
-        o = attend(q, win_k, win_valid, comp_k, comp_valid, self.attn_sink,
-                   self.hd ** -0.5, dense=cache.dense)
+        if batch.probe is not None and cache.dense and self.sparse:       # indexer distillation
+            o = self._probed(batch.probe, q, win_k, win_valid, comp_k, comp_valid, cache, pos)
+        else:
+            o = attend(q, win_k, win_valid, comp_k, comp_valid, self.attn_sink,
+                       self.hd ** -0.5, dense=dense)
         o = self.rope.apply(o, pos.unsqueeze(-1), inverse=True).to(x.dtype)
         # Grouped output: heads split into G contiguous groups, each projected to o_lora_rank.
         o = o.reshape(B, T, self.G, self.H // self.G * self.hd)                 # [B, T, G, H/G*hd]

@@ -35,15 +35,26 @@ class EngramHasher:
         half = (np.iinfo(np.int64).max // cfg.engram_compressed_vocab_size) // 2
         self.mult = torch.tensor(rng.integers(0, half, size=self.max_n) * 2 + 1, dtype=torch.int64)
 
-    def rows(self, cids: torch.Tensor, history: int) -> torch.Tensor:
+    def rows(self, cids: torch.Tensor, history: int, dead: torch.Tensor | None = None,
+             pad_id: int = 0) -> torch.Tensor:
         """cids: [B, history + T] compressed ids (history = max_n - 1 leading ids, padded);
-        returns [B, T, (max_n-1)*heads] global row indices."""
+        returns [B, T, (max_n-1)*heads] global row indices. `dead` [B, history + T] (image-span
+        tokens) breaks n-grams as the reference does: from the first dead token looking back
+        from t (t itself included), that token and every earlier one hash as `pad_id`."""
         T = cids.shape[1] - history
         out = []
-        mix = cids[:, history:] * self.mult[0]
+        blocked = None
+        cur = cids[:, history:]
+        if dead is not None:
+            blocked = dead[:, history:]
+            cur = torch.where(blocked, pad_id, cur)
+        mix = cur * self.mult[0]
         for n in range(2, self.max_n + 1):
             k = n - 1                                           # position t-k in the n-gram
             prev = cids[:, history - k: history - k + T]
+            if blocked is not None:
+                blocked = blocked | dead[:, history - k: history - k + T]
+                prev = torch.where(blocked, pad_id, prev)
             mix = torch.bitwise_xor(mix, prev * self.mult[k])
             out.append(mix.unsqueeze(-1).expand(*mix.shape, self.n_heads))
         h = torch.cat(out, dim=-1)                              # [B, T, (max_n-1)*heads]
@@ -85,8 +96,9 @@ class Engram(nn.Module):
         self.host_table = np.load(path if path.endswith(".npy") else path + ".npy", mmap_mode="r")
         del self.embed
 
-    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """x: mHC copies [B, T, n, D]; emb: looked-up rows [B, T, buckets*head_dim]."""
+    def forward(self, x: torch.Tensor, emb: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
+        """x: mHC copies [B, T, n, D]; emb: looked-up rows [B, T, buckets*head_dim]; dead [B, T]
+        (image-span tokens): their gate is zero, x passes unchanged."""
         kv = self.wkv(emb).unflatten(-1, (self.n + 1, self.D)).float()     # [B, T, n+1, D]
         key, value = kv[..., : self.n, :], kv[..., self.n, :]
         xf = x.float()
@@ -96,4 +108,6 @@ class Engram(nn.Module):
 
         dot = (norm(key, self.k_weight) * norm(xf, self.q_weight)).sum(-1) / self.D ** 0.5
         gate = torch.sigmoid(dot.sign() * dot.abs().clamp_min(1e-6).sqrt())   # [B, T, n]
+        if dead is not None:
+            gate = gate.masked_fill(dead.unsqueeze(-1), 0.0)
         return (xf + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(x.dtype)

@@ -6,7 +6,9 @@ decoder pass (every row, or only the trailing ones at prefill). Each pass gets o
 layer runs (encoder pass only: Engram layers sit in the encoder), and whether the pass replays
 tokens whose global entries already exist. Its fields are fixed at construction; the one thing a
 pass produces for its later layers, the sparse selection (each index source's top-k and the
-candidate pool), lives in `selection`, which only the indexer writes.
+candidate pool), lives in `selection`, which only the indexer writes. An optional `probe`
+(`cedlm.model.probe.IndexerProbe`, None by default) asks the indexers and the attention to record
+what the indexer distillation needs (training only; nothing is recorded when it is None).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from types import MappingProxyType
 from typing import Mapping
 
 import torch
+
+from cedlm.model.probe import IndexerProbe
 
 
 @dataclass
@@ -30,6 +34,8 @@ class ForwardBatch:
     engram_rows: Mapping[int, torch.Tensor] = field(default_factory=lambda: MappingProxyType({}))
     replay: bool = False                  # rebuilding windows: global entries already exist
     selection: Selection = field(default_factory=Selection)
+    probe: IndexerProbe | None = None     # indexer distillation (training): see probe.py
+    image_mask: torch.Tensor | None = None   # [B, T] image-span rows (vision models; else None)
 
     def __post_init__(self):
         if self.positions.dim() != 2:

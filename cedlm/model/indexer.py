@@ -7,6 +7,10 @@ entries whose last token is <= t, and keeps the top `index_topk` (all, when fewe
 The candidate source publishes a pool: per block of `candidate_block_size` entries the max score,
 the newest block always kept, the top `candidate_topk_blocks` blocks. Reindex layers score only
 inside the pool; the source itself is not restricted by it.
+The indexer's inputs (queries' qr and x, keys' latents) are detached: the selection passes no
+gradient, and the indexer learns only from the distillation loss (`probe.py`), which in turn
+does not reach the main model. With a probe on the pass, `select` records its scores there, and a
+dense probe (warm-up) selects every visible entry.
 """
 from __future__ import annotations
 
@@ -87,7 +91,7 @@ class Indexer(nn.Module):
 
     def entry_keys(self, latent: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         """Stored index keys of new entries: RoPE at each group's first position, FP4-rounded."""
-        return store_round(self.rope.apply(self.keys(latent), starts), self.cfg.index_kv_format,
+        return store_round(self.rope.apply(self.keys(latent.detach()), starts), self.cfg.index_kv_format,
                            self.training)
 
     # ---------------------------------------------------------------- queries and scores
@@ -111,14 +115,19 @@ class Indexer(nn.Module):
         cfg, pos, sel = self.cfg, batch.positions, batch.selection
         keys, ends = cache.index_keys(self.keys_src)
         visible = ends.unsqueeze(1) <= pos.unsqueeze(-1)                      # [B, T, N]
-        q, w = self.queries(qr, x)
+        q, w = self.queries(qr.detach(), x.detach())
         q = store_round(self.rope.apply(q, pos.unsqueeze(-1)), cfg.index_kv_format, self.training)
-        score = self.score(q, w, keys, visible)
+        raw = score = self.score(q, w, keys, visible)
         cand = cfg.candidate_source_layer_id
         if self.layer_id == cand:
-            sel.pool = candidate_pool(score, visible.sum(-1), cfg.candidate_block_size,
+            sel.pool = candidate_pool(score.detach(), visible.sum(-1), cfg.candidate_block_size,
                                       cfg.candidate_topk_blocks)
         elif sel.pool is not None and cand is not None and cfg.kv_source_of(cand) == self.keys_src:
             score = score.masked_fill(~sel.pool, NEG)               # Reindex: inside the pool
         sel.topk[self.layer_id] = topk_entries(score.detach(), cfg.index_topk)
+        if batch.probe is not None:                                  # indexer distillation
+            batch.probe.record_scores(self.layer_id, raw, visible, *sel.topk[self.layer_id])
+            if batch.probe.dense:                                    # warm-up: every visible entry
+                N = visible.shape[-1]
+                sel.topk[self.layer_id] = (torch.arange(N).expand(visible.shape), visible)
         return sel.topk[self.layer_id]

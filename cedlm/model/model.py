@@ -2,7 +2,10 @@
 
 Parameter names follow the official checkpoint (`embed.weight`, `layers.L.attn.wq_a.weight`,
 `layers.L.hc_attn_fn`, `layers.L.ffn.experts.E.w1.weight`, ...), so a state dict in the official
-naming loads without renaming (DSpark `mtp.*` and vision tensors are not built here).
+naming loads without renaming (DSpark `mtp.*` only with `dspark=True`, see `dspark.py`). A config with a `vision_config`
+and an `image_token_id` also gets the vision tower (`vision.*`, `aligner.*`, `image_*`; see
+`vision.py`): image-span embeddings are spliced in at their positions, image-span tokens route
+with `ffn.gate.bias_vl` and are dead tokens for Engram.
 
 One code path serves training and inference: a call runs an encoder pass over every new token
 (layers < decoder_start, then the global-KV source writes its window rows and global entries)
@@ -20,10 +23,12 @@ import torch
 from torch import nn
 
 from cedlm.config import ConfigError, ModelConfig, RUNNABLE_FAMILIES
+from cedlm.config.vision import vision_config_of, vision_enabled
 from cedlm.kv_layout import KVLayout
 from cedlm.model import replay as replay_
 from cedlm.model.attention import Attention
 from cedlm.model.engram import Engram
+from cedlm.model.dspark import build_mtp
 from cedlm.model.forward_batch import ForwardBatch
 from cedlm.model.kv_cache import ByteKVCache, KVCache, TrainingKVCache
 from cedlm.model.mhc import collapse, expand, first_pre, hc_mixes, init_hc
@@ -31,6 +36,7 @@ from cedlm.model.moe import MoE
 from cedlm.model.norm import RMSNorm
 from cedlm.model.replay import PREFILL_MODES, PrefillRun
 from cedlm.model.state import SequenceState
+from cedlm.model.vision import add_vision, splice
 
 
 class Block(nn.Module):
@@ -58,11 +64,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, cache: KVCache):
         """x: mHC copies [B, T, n, D]; pre: the previous sub-layer's pre [B, T, n]."""
         if hasattr(self, "engram"):
-            x = self.engram(x, batch.engram_rows[self.layer_id])
+            x = self.engram(x, batch.engram_rows[self.layer_id], batch.image_mask)
         pre_a, post, comb = self.mixes(x, "attn")
         x = expand(x, self.attn(self.attn_norm(collapse(x, pre)), batch, cache), post, comb)
         pre_f, post, comb = self.mixes(x, "ffn")
-        x = expand(x, self.ffn(self.ffn_norm(collapse(x, pre_a))), post, comb)
+        x = expand(x, self.ffn(self.ffn_norm(collapse(x, pre_a)), batch.image_mask), post, comb)
         return x, pre_f
 
     def write_global(self, x: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> None:
@@ -70,7 +76,7 @@ class Block(nn.Module):
 
 
 class CEDModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, dspark: bool = False):
         super().__init__()
         if cfg.family not in RUNNABLE_FAMILIES:
             raise ConfigError(f"family: {cfg.family!r} configs are for accounting only "
@@ -84,6 +90,18 @@ class CEDModel(nn.Module):
         self.register_buffer("engram_token_map", torch.arange(cfg.vocab_size) % max(
             cfg.engram_compressed_vocab_size, 1), persistent=False)
         self._init_weights()
+        # Vision tower (built last: a text model's parameters and RNG use are unchanged).
+        self.image_token_id = cfg.image_token_id if vision_enabled(cfg) else None
+        if self.image_token_id is not None:
+            add_vision(self, vision_config_of(cfg), cfg.hidden_size)
+        # DSpark drafter `mtp.*` (dspark.py), only when asked (a checkpoint that ships
+        # mtp.safetensors): built after everything else, so the rest is unchanged without it.
+        if dspark:
+            self.mtp = build_mtp(cfg)
+
+    def image_mask(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Image-span rows (every span position carries image_token_id); None without vision."""
+        return None if self.image_token_id is None else ids == self.image_token_id
 
     @functools.cached_property
     def kv_layout(self) -> KVLayout:
@@ -109,17 +127,28 @@ class CEDModel(nn.Module):
             for b, prev in enumerate(cache.history(pos[:, 0].tolist(), h)):
                 if prev:
                     history[b, h - len(prev):] = torch.tensor(prev)
-        cids = self.engram_token_map[torch.cat((history, ids), 1)]
+        full = torch.cat((history, ids), 1)
+        cids = self.engram_token_map[full]
+        dead = self.image_mask(full)
+        pad = int(self.engram_token_map[cfg.engram_pad_token_id])
         out = {}
         for l in cfg.engram_layer_ids:
             eng = self.layers[l].engram
-            out[l] = eng.lookup(eng.hasher.rows(cids, h))
+            out[l] = eng.lookup(eng.hasher.rows(cids, h) if dead is None else
+                                eng.hasher.rows(cids, h, dead, pad))
         return out
 
-    def encoder_pass(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, replay: bool = False):
-        """Every new token through layers < decoder_start, then the global-KV projection."""
-        batch = ForwardBatch(pos, self._engram_rows(ids, pos, cache), replay)
-        x = self.embed(ids).unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)   # [B, T, n, D]
+    def encoder_pass(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, replay: bool = False,
+                     images=None, probe=None):
+        """Every new token through layers < decoder_start, then the global-KV projection.
+        images: per batch row a list of (start position, span embeddings [L, D]) (vision).
+        probe: an `IndexerProbe` to record into (indexer distillation), else None."""
+        batch = ForwardBatch(pos, self._engram_rows(ids, pos, cache), replay,
+                             image_mask=self.image_mask(ids), probe=probe)
+        e = self.embed(ids)
+        if images is not None and self.image_token_id is not None:
+            e = splice(e, pos, images)
+        x = e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)   # [B, T, n, D]
         pre = first_pre(x)
         ds = self.cfg.decoder_start
         for layer in self.layers[:ds]:
@@ -129,20 +158,24 @@ class CEDModel(nn.Module):
         return x, pre
 
     def decoder_pass(self, x: torch.Tensor, pre: torch.Tensor, pos: torch.Tensor, cache: KVCache,
-                     replay: bool = False):
-        batch = ForwardBatch(pos, replay=replay)
+                     replay: bool = False, ids: torch.Tensor | None = None, probe=None):
+        """ids [B, T]: the token ids of these rows (image-span routing of vision models)."""
+        batch = ForwardBatch(pos, replay=replay, image_mask=None if ids is None else self.image_mask(ids),
+                             probe=probe)
         for layer in self.layers[self.cfg.decoder_start:]:
             x, pre = layer(x, pre, batch, cache)
         return self.head(self.norm(collapse(x, pre))).float()
 
     # ---------------------------------------------------------------- training forward
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full causal forward: input_ids [B, S] -> logits [B, S, vocab] (fp32)."""
+    def forward(self, input_ids: torch.Tensor, images=None, probe=None) -> torch.Tensor:
+        """Full causal forward: input_ids [B, S] -> logits [B, S, vocab] (fp32). images (vision):
+        per batch row a list of (start position, span embeddings), see `vision.encode_image`.
+        probe: an `IndexerProbe` (indexer distillation, `cedlm.model.probe`) to record into."""
         B, S = input_ids.shape
         pos = torch.arange(S).expand(B, S)
         cache = TrainingKVCache(self.kv_layout, B)
-        x, pre = self.encoder_pass(input_ids, pos, cache)
-        return self.decoder_pass(x, pre, pos, cache)
+        x, pre = self.encoder_pass(input_ids, pos, cache, images=images, probe=probe)
+        return self.decoder_pass(x, pre, pos, cache, ids=input_ids, probe=probe)
 
     # ---------------------------------------------------------------- inference
     def new_state(self, rows=None) -> SequenceState:
@@ -182,7 +215,7 @@ class CEDModel(nn.Module):
         x, pre = self.encoder_pass(ids, pos, cache)
         for st in states:
             st.num_tokens += 1
-        return self.decoder_pass(x, pre, pos, cache)[:, -1]
+        return self.decoder_pass(x, pre, pos, cache, ids=ids)[:, -1]
 
     def offload_engram(self, directory) -> None:
         """Memory-map every Engram table from `directory` (written there first)."""

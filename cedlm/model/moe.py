@@ -73,10 +73,11 @@ class MoE(nn.Module):
         self.shared_experts = Expert(D, I * cfg.n_shared_experts, lim) if cfg.n_shared_experts else None
         self.register_buffer("load", torch.zeros(n_experts), persistent=False)  # tokens per expert
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """image_mask (same leading shape as x, bool): image-span tokens route with `bias_vl`."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                   # [N, D]
-        w, ids = self.gate(x)
+        w, ids = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
         out = torch.zeros_like(x, dtype=torch.float32)
         counts = torch.bincount(ids.flatten(), minlength=len(self.experts))
         if self.training:

@@ -80,7 +80,7 @@ class PrefillRun:
         T = part.shape[1]
         pos = torch.arange(st.num_tokens, st.num_tokens + T)[None]
         st.token_ids.extend(part[0].tolist())
-        x, pre = self.model.encoder_pass(part, pos, self.cache)
+        x, pre = self.model.encoder_pass(part, pos, self.cache, images=[st.images])
         st.num_tokens += T
         self.done_tokens = c0 + T
         keep = min(T, max(0, c0 + T - (self.S - self.M)))          # rows of this chunk in the tail
@@ -90,7 +90,7 @@ class PrefillRun:
             return False
         pos = torch.arange(self.p0 + self.S - self.M, self.p0 + self.S)[None]
         self.logits = self.model.decoder_pass(torch.cat(self.xs, 1), torch.cat(self.pres, 1),
-                                              pos, self.cache)[0]
+                                              pos, self.cache, ids=self.ids[self.S - self.M:][None])[0]
         self.xs, self.pres = [], []
         return True
 
@@ -112,5 +112,5 @@ def replay(model, state: SequenceState, mode: str = "exact") -> torch.Tensor:
     ids = torch.tensor(state.token_ids[P - R: P])[None]
     pos = torch.arange(P - R, P)[None]
     cache = ByteKVCache(model.kv_layout, [state], keep_stash_from=P - R - cfg.sliding_window + 1)
-    x, pre = model.encoder_pass(ids, pos, cache, replay=True)
-    return model.decoder_pass(x, pre, pos, cache, replay=True)[0, -1]
+    x, pre = model.encoder_pass(ids, pos, cache, replay=True, images=[state.images])
+    return model.decoder_pass(x, pre, pos, cache, replay=True, ids=ids)[0, -1]

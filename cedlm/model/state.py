@@ -68,6 +68,9 @@ class SequenceState:
         self.layout = layout
         self.num_tokens = 0                       # positions 0..num_tokens-1 seen by the encoder
         self.token_ids: list[int] = []
+        # Image spans of the prompt (vision models): (start position, embeddings [L, D]); read
+        # by prefill and replay to splice the image rows in (cedlm.model.vision.splice).
+        self.images: list = []
         win, wb = layout.window_slots, layout.window_entry_bytes
         self.window = {l: torch.zeros(win, wb, dtype=torch.uint8) for l in range(layout.n_layers)}
         self.window_pos = {l: torch.full((win,), -1, dtype=torch.int64) for l in range(layout.n_layers)}
@@ -108,6 +111,7 @@ class SequenceState:
         self.window = {l: w.clone() for l, w in other.window.items()}
         self.window_pos = {l: w.clone() for l, w in other.window_pos.items()}
         self.pending = {k: (kv.clone(), g.clone()) for k, (kv, g) in other.pending.items()}
+        self.images = list(other.images)
 
     # ---------------------------------------------------------------- compressed entries
     def n_entries(self, src: int) -> int:

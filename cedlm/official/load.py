@@ -596,12 +596,15 @@ def _prepare(path, memory_bytes, engram_mmap, meta_min_numel):
 
 
 def _float_config(cfg: ModelConfig) -> ModelConfig:
-    """The loaded model's config: the same, without the storage's `quantization_config`."""
+    """The loaded model's config: the same, without the storage's `quantization_config`, and
+    without `vision_config` (this loader's scope is the text model: the vision tensors are skipped
+    and reported, so the model is built without a tower)."""
     extra = dict(cfg.extra or {})
+    drop = ("quantization_config", "vision_config")
     if "top" in extra:
-        extra["top"] = {k: v for k, v in extra["top"].items() if k != "quantization_config"}
+        extra["top"] = {k: v for k, v in extra["top"].items() if k not in drop}
     if "top_keys" in extra:
-        extra["top_keys"] = [k for k in extra["top_keys"] if k != "quantization_config"]
+        extra["top_keys"] = [k for k in extra["top_keys"] if k not in drop]
     cfg.extra = extra
     return cfg
 

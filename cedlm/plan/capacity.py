@@ -106,8 +106,11 @@ def plan(cfg: ModelConfig, context: int | None = None, memory_gib: float | None 
         assumptions.append("V3 MTP counted as one MoE layer + eh_proj + enorm/hnorm/shared_head "
                            "norm (embedding and head shared)")
     if cfg.family == "ced" and cfg.num_nextn_predict_layers:
-        assumptions.append("DSpark blocks are not built by cedlm yet: params_dspark is analytic "
-                           "(from the V4.1 checkpoint's mtp.* tensor names and shapes)")
+        assumptions.append("DSpark drafter (cedlm/model/dspark.py, built when a model directory "
+                           "ships mtp.safetensors): params_dspark from the mtp.* names and shapes; "
+                           "its rings hold the context rows of the last sliding_window positions per "
+                           "draft layer; a verification appends up to dspark_block_size + 1 tokens "
+                           "(pool slots and the rollback copy of their ring slots are transient)")
     bps = sequence_bytes(cfg, context) if context is not None else None
     ms = (max_sequences(memory_gib * GIB, bps) if bps is not None and memory_gib is not None
           else None)
@@ -124,6 +127,7 @@ def plan(cfg: ModelConfig, context: int | None = None, memory_gib: float | None 
         "n_layers": cfg.n_layers,
         "dspark_layers": cfg.num_nextn_predict_layers if cfg.family in ("ced", "v4") else 0,
         "dspark_window_bytes_per_sequence": win["dspark_window"],
+        "dspark": _dspark_plan(cfg, win.get("window_entry_bytes")),
         "compressor_state_bytes_per_sequence": win["compressor_state"],
         "params_total": pc["total"],
         "params_engram": pc["engram"],
@@ -143,3 +147,18 @@ def plan(cfg: ModelConfig, context: int | None = None, memory_gib: float | None 
 
 
 # ============================================================================ human table
+
+
+def _dspark_plan(cfg, window_entry_bytes) -> dict | None:
+    """The DSpark fields and what one speculative verification adds per sequence."""
+    if cfg.family not in ("ced", "v4") or not cfg.num_nextn_predict_layers:
+        return None
+    T = cfg.dspark_block_size + 1                      # anchor + drafts, one target forward
+    return {"draft_layers": cfg.num_nextn_predict_layers, "taps": list(cfg.dspark_target_layer_ids),
+            "block_size": cfg.dspark_block_size, "noise_token_id": cfg.dspark_noise_token_id,
+            "markov_rank": cfg.dspark_markov_rank, "n_routed_experts": cfg.dspark_n_routed_experts,
+            "num_experts_per_tok": cfg.dspark_num_experts_per_tok,
+            "draft_window": cfg.sliding_window, "max_verify_tokens": T,
+            "rollback_ring_bytes": None if window_entry_bytes is None
+            else T * cfg.n_layers * window_entry_bytes}
+

@@ -105,7 +105,7 @@ def window_bytes_per_sequence(cfg: ModelConfig) -> dict:
 
     window: every layer's SWA ring, n_layers x sliding_window x window entry bytes (the ring is
     allocated whole, as `SequenceState` does). dspark_window: the same for the
-    num_nextn_predict_layers DSpark/MTP blocks (SWA only; not built by cedlm yet).
+    num_nextn_predict_layers DSpark/MTP blocks (SWA only; `cedlm.model.dspark.DraftState`).
     compressor_state: the largest pending state, (r - 1) fp32 rows of kv and gate projections
     (head_dim each) per ratio-r (> 1) KV source: what `SequenceState.pending` holds just before a
     group completes. mla/llama keep full KV in every layer: all zero.

@@ -82,6 +82,18 @@ def format_plan(p: dict) -> str:
     else:
         rows.append(("  SWA rings", "(full KV model)", _b(p["window_bytes_per_sequence"])))
     rows.append(("  compressor state (max)", "", _b(p["compressor_state_bytes_per_sequence"])))
+    d = p.get("dspark")
+    if d:
+        rows.append("DSpark drafter")
+        rows.append(("  draft layers / taps", f"{d['draft_layers']} SWA-only / layers "
+                     f"{','.join(map(str, d['taps']))}", ""))
+        rows.append(("  block, Markov rank, experts", f"{d['block_size']} (noise id {d['noise_token_id']}), "
+                     f"rank {d['markov_rank']}, top {d['num_experts_per_tok']} of {d['n_routed_experts']}", ""))
+        rows.append(("  draft window", f"{d['draft_layers']} rings x {d['draft_window']} positions",
+                     _b(p["dspark_window_bytes_per_sequence"])))
+        if d.get("rollback_ring_bytes") is not None:
+            rows.append(("  verification (transient)", f"{d['max_verify_tokens']} tokens: ring slots kept "
+                         f"for rollback", _b(d["rollback_ring_bytes"])))
     rows.append("Parameters")
     rows.append(("  total (main stack incl. Engram)", "", _p(p["params_total"])))
     rows.append(("  Engram tables", "", _p(p["params_engram"])))

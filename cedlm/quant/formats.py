@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .bf16 import BF16, Bf16Format
 from .numerics import (
     E4M3_MAX,
     E4M3_MIN_SUBNORMAL,
@@ -163,7 +164,7 @@ class V4Fp8Format:
 
 
 V4_FP8 = V4Fp8Format()
-EXTRA_FORMATS: dict[str, V4Fp8Format] = {"v4_fp8": V4_FP8}
+EXTRA_FORMATS: dict[str, V4Fp8Format | Bf16Format] = {"v4_fp8": V4_FP8, "bf16": BF16}
 _V4_FLOOR = 1e-4                               # on amax / 448 (FlashMLA MODEL1 test quantizer)
 
 
@@ -213,7 +214,7 @@ def _v4_quant_dequant(x: torch.Tensor, f: V4Fp8Format) -> torch.Tensor:
 
 
 def get_format(fmt: str | QuantFormat | V4Fp8Format) -> QuantFormat | V4Fp8Format:
-    if isinstance(fmt, (QuantFormat, V4Fp8Format)):
+    if isinstance(fmt, (QuantFormat, V4Fp8Format, Bf16Format)):
         return fmt
     try:
         return FORMATS[fmt] if fmt in FORMATS else EXTRA_FORMATS[fmt]
@@ -283,6 +284,8 @@ def encode(x: torch.Tensor, fmt: str | QuantFormat) -> torch.Tensor:
     ``CEDLM_REFERENCE_KERNELS=1`` (or ``fast.set_reference_kernels(True)``) the reference runs.
     """
     f = get_format(fmt)
+    if isinstance(f, Bf16Format):
+        return f.encode(x)
     if _fast.reference_kernels():
         return encode_reference(x, f)
     return _fast.encode(x, f)
@@ -292,6 +295,8 @@ def decode(b: torch.Tensor, fmt: str | QuantFormat, dim: int) -> torch.Tensor:
     """uint8 [..., bytes_per_entry(fmt, dim)] -> float32 [..., dim] (fast path, as ``encode``)."""
     f = get_format(fmt)
     _check_bytes(b, f, dim)
+    if isinstance(f, Bf16Format):
+        return f.decode(b, dim)
     if _fast.reference_kernels():
         return decode_reference(b, f, dim)
     return _fast.decode(b, f, dim)
@@ -306,6 +311,8 @@ def quant_dequant(x: torch.Tensor, fmt: str | QuantFormat | None) -> torch.Tenso
     if fmt is None or fmt == "none":
         return x
     f = get_format(fmt)
+    if isinstance(f, Bf16Format):
+        return f.quant_dequant(x)
     if _fast.reference_kernels():
         return quant_dequant_reference(x, f)
     return _fast.quant_dequant(x, f)
@@ -327,6 +334,8 @@ def _check_bytes(b: torch.Tensor, f: QuantFormat | V4Fp8Format, dim: int) -> Non
 def encode_reference(x: torch.Tensor, fmt: str | QuantFormat) -> torch.Tensor:
     """Reference ``encode`` (whole-tensor elementwise torch, the rules as written above)."""
     f = get_format(fmt)
+    if isinstance(f, Bf16Format):
+        return f.encode(x)
     if isinstance(f, V4Fp8Format):
         return _v4_encode(x, f)
     xt = _tiles(x, f)
@@ -344,6 +353,8 @@ def decode_reference(b: torch.Tensor, fmt: str | QuantFormat, dim: int) -> torch
     """Reference ``decode``."""
     f = get_format(fmt)
     _check_bytes(b, f, dim)
+    if isinstance(f, Bf16Format):
+        return f.decode(b, dim)
     if isinstance(f, V4Fp8Format):
         return _v4_decode(b, f, dim)
     nd = f.data_bytes(dim)
@@ -362,6 +373,8 @@ def quant_dequant_reference(x: torch.Tensor, fmt: str | QuantFormat | None) -> t
     if fmt is None or fmt == "none":
         return x
     f = get_format(fmt)
+    if isinstance(f, Bf16Format):
+        return f.quant_dequant(x)
     if isinstance(f, V4Fp8Format):
         return _v4_quant_dequant(x, f)
     xt = _tiles(x, f)

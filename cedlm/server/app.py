@@ -34,6 +34,7 @@ from cedlm.server import chat, completions
 from cedlm.server.aliases import AliasTable
 from cedlm.server.chat import EFFORT_HEADER, ReasoningSplitter, encode_messages
 from cedlm.server.errors import APIError, BodyTooLarge, fix_openapi, install_error_handlers, unauthorized
+from cedlm.server.images import options_for as image_options
 from cedlm.server.metrics import Metrics
 from cedlm.server.protocol import (
     DetokenizeRequest, DetokenizeResponse, Health, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
@@ -220,7 +221,7 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
                retry_after: int = 1, max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
                max_prompt_tokens: int | None = None, exit_on_engine_failure: bool = False,
                default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-               worker_options: dict | None = None) -> FastAPI:
+               worker_options: dict | None = None, allow_remote_images: bool = False) -> FastAPI:
     """An app serving an `LLM` or an `Engine`.
 
     served_model_name: the primary name (default "cedlm"); aliases: an AliasTable, or a dict
@@ -233,7 +234,7 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     the engine fails for good, SIGTERM this process (the CLI sets it); default_max_tokens: the
     max_tokens of a request that omits it (None or 0: the rest of the context); worker_options: more
     `EngineWorker` keywords (max_step_failures, max_restarts, degraded_window, stall_after,
-    on_failed).
+    on_failed); allow_remote_images: fetch http(s) `image_url`s (default off: 400; data: URLs always).
     """
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
     tokenizer = getattr(llm_or_engine, "tokenizer", None) or getattr(engine, "tokenizer", None)
@@ -261,6 +262,7 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
                                    max_prompt_tokens=max_prompt_tokens,
                                    default_max_tokens=default_max_tokens or None)
     app.state.worker, app.state.engine, app.state.aliases, app.state.metrics = worker, engine, table, metrics
+    app.state.server.images = image_options(getattr(engine, "model", None), allow_remote_images)   # server/images.py
     if max_body_bytes is not None:
         app.add_middleware(_BodyLimit, max_bytes=int(max_body_bytes))
     app.add_middleware(_HTTPMetrics, metrics=metrics)

@@ -40,6 +40,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from cedlm.server.errors import APIError
+from cedlm.server.images import chat_images, expanded_len
 from cedlm.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChoiceLogprobs, CompletionTokensDetails, DeltaMessage, PromptTokensDetails,
@@ -164,6 +165,11 @@ async def chat(body: ChatCompletionRequest, raw: Request):
                             "token ids", param="messages")
     thinking, effort = body.resolve_thinking()
     ids = await srv.tokenize(lambda: encode_messages(srv, body, thinking, effort))
+    images = await srv.tokenize(lambda: chat_images(getattr(srv, "images", None),
+                                                    [m.model_dump(exclude_none=True) for m in body.messages]))
+    prompt_ids = ids
+    if images:              # the placeholders become spans: the prompt length the engine will see
+        ids = ids + [0] * (expanded_len(len(ids), images) - len(ids))
     srv.check_len(ids, "messages")
 
     parallel = body.parallel_tool_calls is not False
@@ -181,7 +187,7 @@ async def chat(body: ChatCompletionRequest, raw: Request):
     params = await srv.tokenize(lambda: srv.params(    # builds the grammar matcher: off the loop
         body, ids, body.max_completion_tokens or body.max_tokens, top, grammar=grammar, grammar_param=gparam,
         gate=gate))
-    group = Group(srv.worker, srv.metrics, raw, "chatcmpl", [(ids, params)])
+    group = Group(srv.worker, srv.metrics, raw, "chatcmpl", [(prompt_ids, params)], images=images)
     headers = srv.headers(resolved, {EFFORT_HEADER: str(effort) if thinking else "none"})
     if not await group.admit():
         return Response(status_code=499)

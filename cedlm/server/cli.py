@@ -94,6 +94,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-body-bytes", "--max_body_bytes", dest="max_body_bytes", type=parse_bytes,
                    default=8 << 20, help="largest request body; larger -> 413 before it is read "
                                           "(suffixes K/M/G, default 8M)")
+    p.add_argument("--allow-remote-images", "--allow_remote_images", dest="allow_remote_images",
+                   action="store_true", help="fetch http(s) image_url parts (default: refused with "
+                                             "400; data: URLs are always accepted)")
     p.add_argument("--max-prompt-tokens", "--max_prompt_tokens", dest="max_prompt_tokens", type=int,
                    default=None, help="longest prompt a request may send; longer -> 400 "
                                       "(default: max-model-len)")
@@ -104,6 +107,11 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: best for small models on a busy machine)")
     p.add_argument("--seed", type=int, default=0, help="seed for preset (random) weights")
+    p.add_argument("--speculative", nargs="?", const="dspark", default=None, metavar="METHOD",
+                   help="speculative decoding with the model's DSpark drafter (mtp.safetensors)")
+    p.add_argument("--speculative-threshold", "--speculative_threshold", dest="speculative_threshold",
+                   type=float, default=0.0,
+                   help="verify drafts while the product of their confidences is >= this (0: whole block)")
     p.add_argument("--log-level", "--log_level", dest="log_level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
@@ -116,7 +124,9 @@ def build_app(args):
     llm = LLM(model=args.model, prefill_mode=args.prefill_mode, replay_mode=args.replay_mode,
               kv_budget_bytes=args.kv_budget, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, enable_prefix_cache=args.prefix_cache,
-              seed=args.seed, num_threads=args.threads)
+              seed=args.seed, num_threads=args.threads,
+              speculative=getattr(args, "speculative", None),
+              speculative_threshold=getattr(args, "speculative_threshold", 0.0))
     table = AliasTable.from_cli(args.served_model_name or default_served_name(args.model), args.alias)
     return create_app(llm, aliases=table, api_key=api_key_from_env(args.api_key),
                       max_waiting=args.max_waiting,
@@ -124,6 +134,7 @@ def build_app(args):
                       retry_after=args.retry_after, max_body_bytes=getattr(args, "max_body_bytes", 8 << 20),
                       max_prompt_tokens=getattr(args, "max_prompt_tokens", None),
                       default_max_tokens=getattr(args, "default_max_tokens", 256),
+                      allow_remote_images=getattr(args, "allow_remote_images", False),
                       exit_on_engine_failure=True)
 
 
@@ -139,7 +150,13 @@ def run(args) -> int:
         print(warning, file=sys.stderr, flush=True)
         logging.getLogger("cedlm.server").warning(warning)
     torch.set_num_threads(args.threads)
-    app = build_app(args)
+    try:
+        app = build_app(args)
+    except ValueError as e:
+        if not str(e).startswith(("speculative", "num_draft_tokens")):
+            raise
+        print(f"cedlm serve: error: {e}", file=sys.stderr, flush=True)
+        return 2
     table = app.state.aliases
     print(f"cedlm serve: {table.served_name} (names: {', '.join(table.describe())}) on "
           f"http://{args.host}:{args.port}/v1", flush=True)

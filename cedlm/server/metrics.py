@@ -61,6 +61,19 @@ class EngineCollector:
                       c.get("preemptions", 0))
         yield counter("cedlm_requests_finished", "Requests the engine finished (any reason but abort).",
                       c.get("requests_finished", 0))
+        if "spec_steps" in c:                  # DSpark speculative decoding (engine/speculative.py)
+            for key, doc in (("steps", "Speculative verification forwards (one per sequence per step)."),
+                             ("drafted_tokens", "Tokens the DSpark drafter proposed."),
+                             ("verified_tokens", "Drafted tokens sent to verification (confidence-scheduled)."),
+                             ("accepted_tokens", "Drafted tokens the target accepted."),
+                             ("emitted_tokens", "Tokens emitted by speculative steps (accepted + the target's own).")):
+                yield counter(f"cedlm_spec_{key}", doc, c.get(f"spec_{key}", 0))
+            g = GaugeMetricFamily("cedlm_spec_acceptance_by_position",
+                                  "Accepted / verified drafts at each block position.",
+                                  labels=lab + ["position"])
+            for i, v in enumerate(c.get("spec_acceptance_by_position", [])):
+                g.add_metric([self.model, str(i + 1)], v)
+            yield g
         m = CounterMetricFamily("cedlm_requests_rejected", "Requests rejected with 429, by reason.",
                                 labels=lab + ["reason"])
         for k, v in s.get("rejected", {}).items():

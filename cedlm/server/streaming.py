@@ -97,8 +97,9 @@ class Group:
     is the index of prompt p's first sample."""
 
     def __init__(self, worker, metrics, raw: Request, prefix: str,
-                 prompts: list[tuple[list[int], SamplingParams]]):
+                 prompts: list[tuple[list[int], SamplingParams]], images: list | None = None):
         self.worker, self.raw, self.metrics = worker, raw, metrics
+        self.images = images or None          # prepared images of a one-prompt chat request
         self.rid = f"{prefix}-{uuid.uuid4().hex}"
         self.prompts = prompts
         self.events: list[RequestEvents] = []
@@ -108,7 +109,8 @@ class Group:
     def submit(self) -> None:
         for p, (ids, params) in enumerate(self.prompts):
             gid = self.rid if len(self.prompts) == 1 else f"{self.rid}-p{p}"
-            qs = self.worker.submit_samples(gid, ids, params)
+            qs = (self.worker.submit_samples(gid, ids, params, images=self.images) if self.images
+                  else self.worker.submit_samples(gid, ids, params))
             self.first.append(len(self.events))
             self.events += [RequestEvents(self.worker, self.metrics, rid, q)
                             for rid, q in zip(sample_ids(gid, len(qs)), qs)]

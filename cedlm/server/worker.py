@@ -116,6 +116,7 @@ class _Submit:
     qs: list[asyncio.Queue]              # one per sample (SamplingParams.n / best_of)
     loop: asyncio.AbstractEventLoop
     submitted: float = field(default_factory=time.monotonic)
+    images: list | None = None           # prepared images (vision models; Engine.add_samples)
 
 
 def sample_ids(request_id: str, k: int) -> list[str]:
@@ -219,7 +220,7 @@ class EngineWorker:
         """Queue a request; returns the asyncio.Queue its events arrive on (call from the loop)."""
         return self.submit_samples(request_id, prompt_ids, params)[0]
 
-    def submit_samples(self, request_id: str, prompt_ids: list[int], params) -> list[asyncio.Queue]:
+    def submit_samples(self, request_id: str, prompt_ids: list[int], params, images=None) -> list[asyncio.Queue]:
         """Queue a request of `params.num_samples` samples (n / best_of; one engine group:
         `Engine.add_samples`); returns one asyncio.Queue per sample, in sample order. The samples'
         engine ids are `sample_ids(request_id, k)`."""
@@ -230,7 +231,7 @@ class EngineWorker:
                 for q in qs:
                     q.put_nowait(self._failed_event())
                 return qs
-            self._cmds.put(("add", _Submit(request_id, list(prompt_ids), params, qs, loop)))
+            self._cmds.put(("add", _Submit(request_id, list(prompt_ids), params, qs, loop, images=images)))
         self._wake.set()
         return qs
 
@@ -403,7 +404,9 @@ class EngineWorker:
                          f"retry after {self.retry_after} s",
                     code="rate_limit_exceeded", type="rate_limit_error", retry_after=self.retry_after))
                 return
-            if len(sub.qs) > 1:
+            if sub.images:
+                reqs = self.engine.add_samples(sub.prompt_ids, sub.params, sub.request_id, images=sub.images)
+            elif len(sub.qs) > 1:
                 reqs = self.engine.add_samples(sub.prompt_ids, sub.params, sub.request_id)
             else:
                 reqs = [self.engine.add_request(sub.prompt_ids, sub.params, sub.request_id)]

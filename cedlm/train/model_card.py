@@ -160,6 +160,29 @@ def _chat_stage(summary: dict) -> list[str]:
     return L
 
 
+def _component_stages(summary: dict) -> list[str]:
+    """The stages that add a component file beside the main weights: the DSpark drafter
+    (`mtp.safetensors`, `cedlm train dspark`) and the vision tower (`vision.safetensors`,
+    `cedlm train vision`), from their summary keys."""
+    s, L = summary, []
+    if "dspark_steps" in s:
+        L += ["", "## DSpark drafter (`mtp.safetensors`)", "",
+              f"`cedlm train dspark`: the target frozen, {s['dspark_steps']} drafter updates in "
+              f"{_val(s.get('dspark_minutes'))} min, distilled on the target's own outputs; mean accepted run "
+              f"length while training {_val(s.get('dspark_accepted_run'))} of {s.get('dspark_block_size', 5)} drafts. "
+              "Use it with `cedlm serve --speculative` / `LLM(..., speculative=\"dspark\")`; greedy output "
+              "is the plain decode's except where two tokens tie within float rounding (see the repository's "
+              "BENCHMARKS.md for acceptance and speed-up)."]
+    if "vision_params" in s:
+        L += ["", "## Vision tower (`vision.safetensors`)", "",
+              f"`cedlm train vision`: a {s['vision_params']:,}-parameter ViT and aligner trained with the text "
+              f"model frozen, on scikit-learn's digits and words rendered with Pillow. Held out: digits "
+              f"{_val(s.get('vision_digits_heldout_acc'))} ({s.get('vision_digits_heldout_n')} images), words "
+              f"{_val(s.get('vision_words_heldout_acc'))} ({s.get('vision_words_heldout_n')} images): it tells some "
+              "digits apart and cannot read words."]
+    return L
+
+
 def _is_default_corpus(args: dict) -> bool:
     return args.get("data") is not None and Path(args["data"]).as_posix().rstrip("/").endswith(DEFAULT_CORPUS)
 
@@ -233,6 +256,7 @@ def model_card(cfg: ModelConfig, tokenizer=None, summary: dict | None = None,
         L += ["", "Reproduce (from the cedlm repository):", "", "```bash",
               *[str(c) for c in summary["commands"]], "```"]
     L += _chat_stage(summary)
+    L += _component_stages(summary)
     L += ["", "## Evaluation", "", *_evaluation(summary)]
     recorded = {k: v for k, v in summary.items() if k != "commands"}
     if recorded:

@@ -1,0 +1,196 @@
+"""DSpark speculative decoding against the same engine without it (greedy, batch 1 and 8).
+
+The model with its trained drafter, against the same engine without DSpark. The model is `--dspark-model DIR` (default `runs/dspark/export`, made by `cedlm train dspark
+... --export`): the target plus its `mtp.safetensors`. Prompts are the openings of held-out corpus
+documents (`data/corpus/val.txt`). Each configuration runs the same prompts through a fresh
+`Engine` (same settings, prefix cache off): plain decoding; DSpark verifying the whole block
+(threshold 0); DSpark with confidence-scheduled verification (the verified length follows the
+running product of the confidences, `--speculative-threshold`). Decode time is the time spent in
+the engine's decode step (`Engine._decode`: drafting, verification, rollback, sampling), prefill
+excluded; decode speed = tokens emitted by those steps / that time. Every speculative output is
+compared token for token with the plain one. Tokens per target forward = emitted tokens /
+verification forwards (one per sequence per step); acceptance by position = accepted / verified
+drafts at each block position.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from cedlm.bench.common import Ctx, md_table, plt, target
+
+NAME = "dspark"
+TITLE = "DSpark speculative decoding"
+DEFAULT_MODEL = Path("runs/dspark/export")
+THRESHOLD = 0.3
+
+
+def _prompts(tok, n: int, length: int) -> list[list[int]]:
+    from cedlm.text.documents import iter_documents
+    out = []
+    for doc in iter_documents(Path("data/corpus/val.txt")):
+        ids = tok.encode(doc, add_bos=True)
+        if len(ids) >= length + 8:
+            out.append(ids[:length])
+        if len(out) == n:
+            break
+    return out
+
+
+def _run(model, tok, prompts, max_tokens: int, spec) -> dict:
+    """One group of prompts decoded together by a fresh engine: decode seconds and tokens (time in
+    `Engine._decode`), outputs, and the speculator's counters."""
+    from cedlm.engine.engine import Engine, EngineConfig
+    from cedlm.engine.sampling_params import SamplingParams
+    e = Engine(model, tok, EngineConfig(kv_budget_bytes=64 << 20, max_num_seqs=len(prompts),
+                                        enable_prefix_cache=False), speculative=spec)
+    spent = {"s": 0.0, "tokens": 0}
+    inner = e._decode
+
+    def timed(reqs):
+        before = sum(len(r.output_ids) for r in reqs)
+        t0 = time.perf_counter()
+        out = inner(reqs)
+        spent["s"] += time.perf_counter() - t0
+        spent["tokens"] += sum(len(r.output_ids) for r in reqs) - before
+        return out
+    e._decode = timed
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    reqs = [e.add_request(p, params) for p in prompts]
+    while e.has_work:
+        e.step()
+    return {"s": spent["s"], "tokens": spent["tokens"], "outputs": [r.output_ids for r in reqs],
+            "stats": e.speculator.stats if e.speculator is not None else None}
+
+
+def _merge_stats(a, b):
+    if a is None:
+        return b
+    for f in ("steps", "drafted", "verified", "accepted", "emitted", "draft_s", "verify_s"):
+        setattr(a, f, getattr(a, f) + getattr(b, f))
+    a.verified_at = [x + y for x, y in zip(a.verified_at, b.verified_at)]
+    a.accepted_at = [x + y for x, y in zip(a.accepted_at, b.accepted_at)]
+    return a
+
+
+def run(ctx: Ctx) -> dict:
+    from cedlm.checkpoint import load_model
+    path = Path(getattr(ctx, "dspark_model", None) or DEFAULT_MODEL)
+    if not (path / "mtp.safetensors").exists():
+        return {"skipped": f"no trained drafter at {path} (mtp.safetensors): run `cedlm train dspark "
+                           f"--export {path}` or pass --dspark-model DIR",
+                "config": {}, "rows": [], "target": target("tokens per target forward", ">=", 2.5, None)}
+    from cedlm.engine.speculative import SpeculativeConfig
+    model, tok = load_model(path)
+    n_prompts, plen, new = ctx.size(8, 2), ctx.size(48, 24), ctx.size(64, 16)
+    prompts = _prompts(tok, n_prompts, plen)
+    configs = [("plain", None), ("dspark_block", SpeculativeConfig(threshold=0.0)),
+               ("dspark_scheduled", SpeculativeConfig(threshold=THRESHOLD))]
+    rows, by = [], {}
+    for batch in ctx.size([1, 8], [1, 2]):
+        # Interleaved against load drift: every group of `batch` prompts runs all configurations
+        # back to back, in an order rotated per round; a single group runs two rounds.
+        groups = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
+        rounds = [(g, k) for k, g in enumerate(groups)] if len(groups) > 1 else [(groups[0], 0), (groups[0], 1)]
+        acc = {name: {"s": 0.0, "tokens": 0, "outputs": [], "stats": None, "ratio": []} for name, _ in configs}
+        for g, k in rounds:
+            order = configs[k % 3:] + configs[: k % 3]
+            got = {}
+            for name, spec in order:
+                got[name] = r = _run(model, tok, g, new, spec)
+                a = acc[name]
+                a["s"] += r["s"]
+                a["tokens"] += r["tokens"]
+                a["outputs"] += r["outputs"]
+                a["stats"] = _merge_stats(a["stats"], r["stats"]) if r["stats"] is not None else a["stats"]
+            for name, _ in configs:
+                acc[name]["ratio"].append((got[name]["tokens"] / got[name]["s"]) /
+                                          (got["plain"]["tokens"] / got["plain"]["s"]))
+        base = acc["plain"]
+        for name, spec in configs:
+            a = acc[name]
+            tps = a["tokens"] / a["s"]
+            row = {"batch": batch, "config": name, "decode_s": a["s"], "decode_tokens": a["tokens"],
+                   "tokens_per_s": tps, "speedup": tps / (base["tokens"] / base["s"]),
+                   "speedup_median": statistics.median(a["ratio"]), "rounds": len(rounds),
+                   "identical": a["outputs"] == base["outputs"]}
+            if a["stats"] is not None:
+                d = a["stats"].as_dict()
+                for k in ("spec_tokens_per_forward", "spec_acceptance_by_position",
+                          "spec_verified_tokens", "spec_accepted_tokens", "spec_drafted_tokens",
+                          "spec_steps", "spec_draft_seconds", "spec_verify_seconds"):
+                    row[k[5:]] = d[k]
+                row["draft_ms_per_step"] = 1e3 * d["spec_draft_seconds"] / max(d["spec_steps"], 1)
+            ctx.log(f"  batch {batch} {name}: {tps:.2f} tok/s, speed-up {row['speedup']:.2f}x "
+                    f"(median of {len(rounds)} rounds {row['speedup_median']:.2f}x)"
+                    + (f", {row['tokens_per_forward']:.2f} tokens/forward" if spec else ""))
+            rows.append(row)
+            by[(batch, name)] = row
+    b1 = by[(1, "dspark_block")]
+    best1 = max((by[(1, n)] for n in ("dspark_block", "dspark_scheduled")), key=lambda r: r["speedup"])
+    out = {
+        "config": {"model": str(path), "prompts": n_prompts, "prompt_tokens": plen, "new_tokens": new,
+                   "greedy": True, "threshold": THRESHOLD,
+                   "block_size": model.cfg.dspark_block_size, "threads": ctx.threads},
+        "rows": rows,
+        "target": target("decode speed-up vs the same engine without DSpark, batch 1", ">=", 1.8,
+                         best1["speedup"], note=best1["config"]),
+        "targets": {
+            "accepted": target("tokens per target forward, batch 1, whole block", ">=", 2.5,
+                               b1["tokens_per_forward"]),
+            "speedup": target("decode speed-up vs the same engine without DSpark, batch 1", ">=", 1.8,
+                              best1["speedup"], note=best1["config"]),
+            "identical": target("greedy output identical to plain decoding (every run)", "==", True,
+                                all(r["identical"] for r in rows)),
+        },
+        "notes": ["speed-up: total decode tokens / total decode time against plain; configurations "
+                  "interleaved (each prompt group runs all three back to back, order rotated); "
+                  "median over rounds (prompts at batch 1, two rounds at batch 8): " + ", ".join(
+                      f"batch {r['batch']} {r['config']} {r['speedup_median']:.2f}x" for r in rows
+                      if r["config"] != "plain"),
+                  f"target: {path}; drafter {model.cfg.num_nextn_predict_layers} layer(s), "
+                  f"taps {model.cfg.dspark_target_layer_ids}, block {model.cfg.dspark_block_size}",
+                  f"drafting (one block: parallel forward + {model.cfg.dspark_block_size} Markov "
+                  f"steps) costs {b1['draft_ms_per_step']:.0f} ms per step at batch 1, "
+                  f"{b1['draft_ms_per_step'] / (1e3 / by[(1, 'plain')]['tokens_per_s']):.2f} of a plain "
+                  f"decode step; verification {1e3 * b1['verify_seconds'] / max(b1['steps'], 1):.0f} ms "
+                  f"per step ({b1['verify_seconds'] / max(b1['steps'], 1) * by[(1, 'plain')]['tokens_per_s']:.2f} "
+                  f"plain decode steps)"],
+    }
+    return out
+
+
+def table(res: dict) -> str:
+    body = []
+    for r in res["rows"]:
+        acc = r.get("acceptance_by_position")
+        body.append([r["batch"], r["config"], f"{r['tokens_per_s']:.2f}", f"{r['speedup']:.2f}x",
+                     f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else "1",
+                     " / ".join(f"{a:.2f}" for a in acc) if acc else "",
+                     f"{r['draft_ms_per_step']:.0f}" if "draft_ms_per_step" in r else "",
+                     "yes" if r["identical"] else "**no**"])
+    return md_table(["batch", "decoding", "tokens/s", "speed-up", "tokens / target forward",
+                     "acceptance by position", "draft ms / sequence-step", "output identical"], body)
+
+
+def plot(res: dict, path) -> bool:
+    pyplot = plt()
+    if pyplot is None:
+        return False
+    fig, ax = pyplot.subplots(figsize=(7, 4.5))
+    spec = [r for r in res["rows"] if r.get("acceptance_by_position")]
+    w = 0.8 / max(len(spec), 1)
+    for j, r in enumerate(spec):
+        acc = r["acceptance_by_position"]
+        ax.bar([i + 1 + (j - (len(spec) - 1) / 2) * w for i in range(len(acc))], acc, width=w,
+               label=f"batch {r['batch']}, {r['config'].replace('dspark_', '')}")
+    ax.set_xlabel("draft position in the block")
+    ax.set_ylabel("accepted / verified drafts")
+    ax.set_ylim(0, 1)
+    ax.set_title("DSpark acceptance by position (greedy)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot.close(fig)
+    return True

@@ -1,0 +1,246 @@
+"""DSpark speculative decoding in the engine: draft a block, verify it in one target forward,
+keep the accepted prefix, roll back the rest.
+
+Per engine step, for the running sequences that can speculate (no logits processing, no top
+logprobs: their sampling distribution is the plain temperature / top-k / top-p one):
+1. draft: `dspark.draft_block` + `markov_decode` give N = dspark_block_size draft tokens per
+   sequence (greedy rows take the argmax, sampled rows draw from the draft distribution q);
+2. schedule: verify the drafts while the running product of their confidences stays at or above
+   `threshold` (0 verifies the whole block), capped by what the request may still emit;
+3. verify: one target forward over [anchor, drafts...] for the batch (`rollback.verify`; rows
+   padded to the longest verified length, the padding is rolled back like a rejection);
+4. accept (`accept_greedy` / `accept_sampled`): greedy keeps drafts while they equal the target's
+   argmax, then the target's token (the plain greedy output, up to float near-ties: the
+   verification forward runs other GEMM shapes and MoE groupings than a one-token step, as
+   batching does); sampled runs standard speculative rejection sampling, which leaves the output
+   distribution that of the target (tests/test_speculative.py);
+5. roll back the rejected rows (`rollback.rollback`), trim the blocks, write the drafter's
+   context rows for the kept positions, and emit the tokens through the stop checker one by one.
+Other sequences decode one token as usual in the same step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cedlm.engine.sampler import apply_top_k_top_p
+from cedlm.model import dspark
+from cedlm.model.rollback import capture, mark, rollback, verify
+
+METHODS = ("dspark",)
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "dspark"
+    threshold: float = 0.0           # verify drafts while prod(confidence) >= threshold; 0 = whole block
+    num_draft_tokens: int | None = None   # at most this many drafts per block (None: dspark_block_size)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative: unknown method {self.method!r} (expected one of {METHODS})")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"speculative_threshold: {self.threshold} is not in [0, 1]")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens: must be >= 1, got {self.num_draft_tokens}")
+
+
+def accept_greedy(drafts: list[int], target: list[int]) -> list[int]:
+    """drafts d_1..d_k, target argmax t_0..t_k (t_j after the anchor and d_1..d_j): the emitted
+    tokens: the drafts that equal the target's choice, then the target's own token."""
+    out = []
+    for d, t in zip(drafts, target):
+        if d != t:
+            break
+        out.append(d)
+    out.append(target[len(out)])
+    return out
+
+
+def accept_sampled(drafts: list[int], q: torch.Tensor, p: torch.Tensor, gen) -> list[int]:
+    """Speculative rejection sampling. drafts d_1..d_k drawn from q [k, V]; p [k+1, V] the target
+    distributions after the anchor and each draft. d_i is kept with probability
+    min(1, p_i(d_i) / q_i(d_i)); the first rejected one is replaced by a draw from
+    normalise(max(p_i - q_i, 0)); when all are kept one more token comes from p_k."""
+    out = []
+    for i, d in enumerate(drafts):
+        u = torch.rand((), generator=gen).item()
+        if u * float(q[i, d]) < float(p[i, d]):            # u < p/q without dividing by 0
+            out.append(d)
+            continue
+        resid = (p[i] - q[i]).clamp_min(0)
+        s = resid.sum()
+        dist = resid / s if s > 0 else p[i]
+        out.append(int(torch.multinomial(dist, 1, generator=gen)))
+        return out
+    out.append(int(torch.multinomial(p[len(drafts)], 1, generator=gen)))
+    return out
+
+
+def probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """The distribution the sampler draws from for plain params: [..., V] logits -> probs."""
+    V = logits.shape[-1]
+    x = logits.float() / params.temperature
+    k = min(params.top_k, V) if params.top_k > 0 else V
+    if k < V or params.top_p < 1.0:
+        shape = x.shape
+        x = x.reshape(-1, V)
+        kk = torch.full((x.shape[0],), k) if k < V else None
+        pp = torch.full((x.shape[0],), params.top_p, dtype=x.dtype) if params.top_p < 1.0 else None
+        x = apply_top_k_top_p(x, kk, pp).reshape(shape)
+    return x.softmax(-1)
+
+
+def can_speculate(params) -> bool:
+    return not params.processes_logits and not params.logprobs
+
+
+@dataclass
+class SpecStats:
+    steps: int = 0                   # verify forwards (one per sequence per speculative step)
+    drafted: int = 0
+    verified: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    verified_at: list[int] = field(default_factory=list)    # per draft position
+    accepted_at: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        acc = [a / v if v else 0.0 for a, v in zip(self.accepted_at, self.verified_at)]
+        return {"spec_steps": self.steps, "spec_drafted_tokens": self.drafted,
+                "spec_verified_tokens": self.verified, "spec_accepted_tokens": self.accepted,
+                "spec_emitted_tokens": self.emitted,
+                "spec_tokens_per_forward": self.emitted / self.steps if self.steps else 0.0,
+                "spec_acceptance_by_position": acc,
+                "spec_verified_by_position": list(self.verified_at),
+                "spec_accepted_by_position": list(self.accepted_at),
+                "spec_draft_seconds": self.draft_s, "spec_verify_seconds": self.verify_s}
+
+
+class DSparkSpeculator:
+    def __init__(self, model, config: SpeculativeConfig | None = None):
+        if not hasattr(model, "mtp"):
+            raise ValueError("speculative: this model has no DSpark drafter (no mtp.* weights; "
+                             "a model directory ships them in mtp.safetensors, made by "
+                             "`cedlm train dspark`)")
+        self.model, self.cfg = model, config or SpeculativeConfig()
+        N = model.cfg.dspark_block_size
+        self.k_max = min(self.cfg.num_draft_tokens or N, N, model.cfg.sliding_window - 1)
+        self.stats = SpecStats(verified_at=[0] * N, accepted_at=[0] * N)
+
+    # ---------------------------------------------------------------- drafter context
+    def new_draft_state(self):
+        return dspark.DraftState(self.model.kv_layout, len(self.model.mtp))
+
+    def write_context(self, states, taps: torch.Tensor, p0: list[int], n: list[int]) -> None:
+        """Draft-layer window rows for the first n[b] rows of taps [B, T, taps*D] (positions
+        p0[b]...)."""
+        pos = torch.tensor(p0).view(-1, 1) + torch.arange(taps.shape[1])
+        with torch.no_grad():
+            rows = dspark.context_rows(self.model.mtp, taps, pos)
+        for b, st in enumerate(states):
+            if n[b]:
+                st.write([r[b, : n[b]] for r in rows], pos[b, : n[b]])
+
+    def prefill_step(self, req) -> bool:
+        """One prefill chunk; when the prompt is done, the drafter's context from its last rows."""
+        with capture(self.model, taps=True) as cap:
+            done = req.prefill.step()
+        if done:
+            req.draft = self.new_draft_state()
+            if cap.taps is not None:
+                T = cap.taps.shape[1]
+                self.write_context([req.draft], cap.taps, [req.state.num_tokens - T], [T])
+        return done
+
+    # ---------------------------------------------------------------- one step
+    def step(self, engine, reqs) -> list:
+        spec = [r for r in reqs if can_speculate(r.params)]
+        plain = [r for r in reqs if not can_speculate(r.params)]
+        finished = engine._decode_plain(plain) if plain else []
+        if spec:
+            finished += self._speculate(engine, spec)
+        return finished
+
+    def draft(self, reqs, anchors: torch.Tensor, P: torch.Tensor):
+        """One block per sequence: (draft tokens [B, N], draft logits [B, N, V], confidence
+        [B, N]); greedy rows take the argmax, sampled rows draw from their draft distribution."""
+        h, base = dspark.draft_block(self.model, [r.draft for r in reqs], anchors, P)
+
+        def choose(logits, i):
+            out = logits.argmax(-1)
+            for b, r in enumerate(reqs):
+                if not r.params.greedy:
+                    out[b] = torch.multinomial(probs(logits[b], r.params), 1, generator=r.generator)[0]
+            return out
+        return dspark.markov_decode(self.model, h, base, anchors, choose)
+
+    def _budget(self, engine, r) -> int:
+        """Drafts worth verifying: what the request may still emit, minus the target's token."""
+        left = min(r.params.max_tokens - len(r.output_ids) if r.params.max_tokens is not None else 1 << 30,
+                   engine.max_model_len - r.num_tokens)
+        return max(0, min(self.k_max, left - 1))
+
+    @torch.no_grad()
+    def _speculate(self, engine, reqs) -> list:
+        model, st = self.model, self.stats
+        for r in reqs:
+            if getattr(r, "draft", None) is None:
+                r.draft = self.new_draft_state()       # context fills as it decodes
+        t0 = time.perf_counter()
+        anchors = torch.tensor([r.output_ids[-1] for r in reqs])
+        P = torch.tensor([r.state.num_tokens for r in reqs])
+        drafts, dlogits, conf = self.draft(reqs, anchors, P)
+        k = []
+        for b, r in enumerate(reqs):
+            kb = self._budget(engine, r)
+            if self.cfg.threshold > 0:
+                surv = torch.cumprod(conf[b], 0)
+                kb = min(kb, int((surv >= self.cfg.threshold).sum()))
+            k.append(kb)
+        T = 1 + max(k)
+        for b, r in enumerate(reqs):                     # slots for T positions (else no drafts)
+            if T > 1 and not engine.kv.allocate_slots(r, r.num_cached + T):
+                T, k = 1, [0] * len(reqs)
+        st.draft_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ids = torch.cat((anchors[:, None], drafts[:, : T - 1]), 1)
+        marks = [mark(r.state, T) for r in reqs]
+        logits, cap = verify(model, ids, [r.state for r in reqs], taps=True)
+        st.verify_s += time.perf_counter() - t0
+        kept, emitted = [], []
+        for b, r in enumerate(reqs):
+            d = drafts[b, : k[b]].tolist()
+            if r.params.greedy:
+                toks = accept_greedy(d, logits[b, : k[b] + 1].argmax(-1).tolist())
+            else:
+                q = probs(dlogits[b, : k[b]], r.params)
+                p = probs(logits[b, : k[b] + 1], r.params)
+                toks = accept_sampled(d, q, p, r.generator)
+            n_acc = len(toks) - 1
+            st.steps += 1
+            st.drafted += drafts.shape[1]
+            st.verified += k[b]
+            st.accepted += n_acc
+            for i in range(k[b]):
+                st.verified_at[i] += 1
+                st.accepted_at[i] += int(i < n_acc)
+            rollback(model, r.state, marks[b], 1 + n_acc, cap, b)
+            r.num_cached += 1 + n_acc
+            engine.kv.trim(r, r.num_cached + 1)
+            kept.append(1 + n_acc)
+            emitted.append(toks)
+        self.write_context([r.draft for r in reqs], cap.taps, P.tolist(), kept)
+        lsm = torch.log_softmax(logits.float(), -1)
+        finished, now = [], time.monotonic()
+        for b, r in enumerate(reqs):
+            for j, tok in enumerate(emitted[b]):
+                st.emitted += 1
+                if engine._emit(r, tok, float(lsm[b, j, tok]), None, now):
+                    finished.append(r)
+                    break
+        return finished

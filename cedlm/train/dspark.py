@@ -1,0 +1,292 @@
+"""`cedlm train dspark`: train the DSpark drafter (`mtp.*`) of a model, the target frozen.
+
+    cedlm train dspark --init cedlm/assets/model --out runs/dspark --export runs/dspark/export \\
+        --max-minutes 25 --threads 1
+
+The drafter is distilled on the target's own outputs over the corpus: each step draws corpus
+windows, runs the frozen target over them once (its next-token distributions and the DSpark taps
+of every position), then drafts `--anchors` blocks per window at random anchors in one parallel
+`dspark.full_forward` (context rows from the taps before the anchor, the block non-causal). Row i
+of a block is trained toward the target's distribution at anchor + i (soft cross-entropy), with
+the Markov head fed the token at anchor + i (the anchor, then the previous tokens: teacher
+forcing). The confidence head is trained (binary cross-entropy) to predict whether the row's
+argmax equals the target's: the acceptance of that draft given the ones before it.
+
+Besides corpus windows, `--self-gen-frac` of each batch are the target's own greedy continuations of
+corpus prompts (`--self-gen-seqs`, generated first, as the engine decodes): the text the drafter
+meets when it drafts for greedy decoding.
+
+Initialisation (a model without `mtp.*`): every draft layer starts as a copy of the target's last
+layer (same shapes; experts cut to `dspark_n_routed_experts`), `norm` as the target's final norm,
+`main_proj` as the mean of the taps, the Markov bias and the confidence logit at 0. A model that
+already has a drafter continues from it.
+
+The run directory gets `checkpoint/` (the target and its drafter), `metrics.jsonl`, `loss.png`,
+`summary.json`; `--export DIR` writes a model directory: the --init directory's files unchanged
+(the target is byte for byte the one it was trained against) plus `mtp.safetensors` (bf16).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+NAME = "dspark"
+PREFIX = "dspark_"
+DEFAULT_INIT = "cedlm/assets/model"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(NAME, help="train the DSpark drafter (mtp.*) of a model, target frozen",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def a(flag, **kw):
+        kw.setdefault("dest", PREFIX + flag.lstrip("-").replace("-", "_"))
+        if kw.get("action") != "store_true":
+            kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
+        return p.add_argument(flag, **kw)
+    a("--init", default=DEFAULT_INIT, metavar="MODEL_DIR", help=f"the target model (default {DEFAULT_INIT})")
+    a("--out", required=True, metavar="RUN_DIR", help="run directory")
+    a("--export", default=None, metavar="DIR", help="also write a model directory with mtp.safetensors")
+    a("--data", default="data/corpus", help="prepared corpus (default data/corpus)")
+    a("--cache-dir", default="data/cache", help="token cache dir (default data/cache)")
+    a("--steps", type=int, default=400, help="optimizer steps (default 400)")
+    a("--batch-size", type=int, default=8, help="corpus windows per step (default 8)")
+    a("--seq-len", type=int, default=192, help="window length in tokens (default 192)")
+    a("--anchors", type=int, default=24, help="blocks drafted per window per update (default 24)")
+    a("--updates-per-batch", type=int, default=4,
+      help="optimizer steps per target pass, each at fresh anchors (default 4; the frozen target's "
+           "pass costs several drafter steps)")
+    a("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    a("--min-lr", type=float, default=1e-4, help="final learning rate (default 1e-4)")
+    a("--warmup", type=int, default=20, help="warmup steps (default 20)")
+    a("--conf-weight", type=float, default=0.2, help="weight of the confidence loss (default 0.2)")
+    a("--self-gen-seqs", type=int, default=128,
+      help="target greedy continuations generated first, trained on beside the corpus (default 128)")
+    a("--self-gen-prompt", type=int, default=64, help="corpus prompt tokens of each (default 64)")
+    a("--self-gen-frac", type=float, default=0.75,
+      help="fraction of each batch from the generated sequences (default 0.75)")
+    a("--seed", type=int, default=0, help="seed (default 0)")
+    a("--threads", type=int, default=1, help="torch threads (default 1)")
+    a("--max-minutes", type=float, default=None, help="stop early (and save) after this wall time")
+    a("--log-every", type=int, default=10, help="steps between log lines (default 10)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _opt(args, name):
+    return getattr(args, PREFIX + name)
+
+
+# ---------------------------------------------------------------- model setup
+def init_from_target(model) -> None:
+    """Start every draft layer from the target's last layer (see the module docstring)."""
+    from cedlm.model.dspark import build_mtp
+    cfg = model.cfg
+    model.mtp = build_mtp(cfg)
+    last = model.layers[cfg.n_layers - 1].state_dict()
+    for st in model.mtp:
+        own = st.state_dict()
+        take = {k: v for k, v in last.items() if k in own and own[k].shape == v.shape}
+        st.load_state_dict(take, strict=False)
+    last_st, D = model.mtp[-1], cfg.hidden_size
+    last_st.norm.weight.data.copy_(model.norm.weight.data)
+    n = len(cfg.dspark_target_layer_ids)
+    model.mtp[0].main_proj.weight.data.copy_(torch.eye(D).repeat(1, n) / n)
+    torch.nn.init.zeros_(last_st.markov_head.head.weight)
+    torch.nn.init.zeros_(last_st.confidence_head.proj.weight)
+
+
+@torch.no_grad()
+def target_pass(model, ids: torch.Tensor):
+    """The frozen target over ids [B, S]: (logits [B, S, V], taps [B, S, n_taps*D])."""
+    from cedlm.model.rollback import capture
+    with capture(model, taps=True) as cap:
+        logits = model(ids)
+    return logits, cap.taps
+
+
+def draft_loss(model, ids, logits, taps, anchors, conf_weight: float):
+    """Soft cross-entropy of every drafted row to the target's distribution, plus the confidence
+    BCE. Returns (loss, stats dict)."""
+    from cedlm.model import dspark
+    N = model.cfg.dspark_block_size
+    h = dspark.full_forward(model, ids, taps, anchors)                       # [B, K, N, D]
+    at = anchors.unsqueeze(-1) + torch.arange(N)                            # positions of the rows
+    B, K = anchors.shape
+    flat = at.flatten(1)
+    prev = ids.gather(1, flat).view(B, K, N)                                 # Markov: token at the row
+    tgt = logits.gather(1, flat.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).view(B, K, N, -1)
+    bias, conf = dspark.markov_terms(model, h, prev)
+    dl = dspark.base_logits(model, h) + bias
+    p = tgt.float().softmax(-1)
+    ce = -(p * dl.log_softmax(-1)).sum(-1).mean()
+    ent = -(p * p.clamp_min(1e-12).log()).sum(-1).mean()
+    hit = (dl.argmax(-1) == tgt.argmax(-1)).float()
+    bce = F.binary_cross_entropy_with_logits(conf, hit)
+    run_len = hit.cumprod(-1).sum(-1).mean()                                  # leading agreements
+    stats = {"kl": (ce - ent).item(), "ce": ce.item(), "conf_bce": bce.item(),
+             "agree_by_pos": hit.mean((0, 1)).tolist(), "accepted_run": run_len.item(),
+             "conf_mean": torch.sigmoid(conf).mean().item()}
+    return ce + conf_weight * bce, stats
+
+
+@torch.no_grad()
+def self_generate(model, tokens, n_seqs: int, prompt_len: int, total_len: int, seed: int,
+                  batch: int = 32):
+    """n_seqs sequences of total_len tokens: a corpus prompt, then the target's own greedy
+    continuation (batched byte-cache decoding, as the engine runs it)."""
+    import numpy as np
+    rng = np.random.Generator(np.random.PCG64(seed + 1))
+    out = []
+    for c in range(0, n_seqs, batch):
+        B = min(batch, n_seqs - c)
+        starts = rng.integers(0, len(tokens) - prompt_len - 1, size=B)
+        seqs = [list(map(int, tokens[s: s + prompt_len])) for s in starts]
+        states = [model.new_state() for _ in range(B)]
+        nxt = [int(model.prefill(q, st, "bounded")[-1].argmax()) for q, st in zip(seqs, states)]
+        for _ in range(total_len - prompt_len):
+            for q, t in zip(seqs, nxt):
+                q.append(t)
+            if len(seqs[0]) == total_len:
+                break
+            nxt = model.decode(nxt, states).argmax(-1).tolist()
+        out += seqs
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def export_drafter(init_dir: Path, model, dst: Path) -> Path:
+    """A model directory: the --init directory's files (the target unchanged) + mtp.safetensors."""
+    from safetensors.torch import save_file
+    dst = Path(dst)
+    tmp = dst.parent / f".{dst.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(init_dir, tmp, ignore=shutil.ignore_patterns("mtp.safetensors"))
+    mtp = {f"mtp.{k}": (v.to(torch.bfloat16) if v.is_floating_point() and k.endswith("weight") else v)
+           .detach().contiguous() for k, v in model.mtp.state_dict().items()}
+    save_file(mtp, str(tmp / "mtp.safetensors"), metadata={"format": "pt"})
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp / "mtp.safetensors", 0o666 & ~mask)
+    if dst.exists():
+        shutil.rmtree(dst)
+    tmp.rename(dst)
+    return dst
+
+
+# ---------------------------------------------------------------- run
+def run(args) -> int:
+    from cedlm.checkpoint import load_model, resolve_checkpoint, save_checkpoint
+    from cedlm.data.tokens import token_cache
+    from cedlm.model.dspark import check_dspark_config
+    from cedlm.train.data import BatchSampler
+    from cedlm.train.plot import plot_metrics
+    o = lambda n: _opt(args, n)                                  # noqa: E731
+    for n in ("steps", "batch_size", "seq_len", "anchors", "threads", "updates_per_batch"):
+        if o(n) <= 0:
+            print(f"error: --{n.replace('_', '-')}: must be positive, got {o(n)}", file=sys.stderr)
+            return 2
+    torch.set_num_threads(o("threads"))
+    torch.manual_seed(o("seed"))
+    init = resolve_checkpoint(o("init"))
+    model, tok = load_model(init)
+    cfg = model.cfg
+    check_dspark_config(cfg)
+    N = cfg.dspark_block_size
+    if o("seq_len") < N + 1:
+        print(f"error: --seq-len: {o('seq_len')} is shorter than a block ({N}) + 1", file=sys.stderr)
+        return 2
+    if not hasattr(model, "mtp"):
+        init_from_target(model)
+    for n, prm in model.named_parameters():
+        prm.requires_grad_(n.startswith("mtp."))
+    model.eval()
+    model.mtp.train()
+    data = Path(o("data"))
+    if not (data / "train.txt").exists():
+        print(f"error: --data: no train.txt in {data} (run `cedlm data prepare`)", file=sys.stderr)
+        return 2
+    tokens = token_cache(data / "train.txt", tok, Path(o("cache_dir")))
+    sampler = BatchSampler(tokens, o("seq_len"), o("batch_size"), o("seed"))
+    t_gen = time.time()
+    n_gen = round(o("batch_size") * o("self_gen_frac")) if o("self_gen_seqs") > 0 else 0
+    gen = None
+    if n_gen:
+        if not 0 < o("self_gen_prompt") < o("seq_len"):
+            print(f"error: --self-gen-prompt: must be in (0, --seq-len={o('seq_len')})", file=sys.stderr)
+            return 2
+        print(f"generating {o('self_gen_seqs')} target continuations ...", flush=True)
+        gen = self_generate(model, tokens, o("self_gen_seqs"), o("self_gen_prompt"), o("seq_len"), o("seed"))
+        print(f"  {gen.numel()} tokens in {time.time() - t_gen:.0f}s", flush=True)
+    params = [p for p in model.mtp.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=o("lr"), betas=(0.9, 0.95), weight_decay=0.0)
+    out = Path(o("out"))
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_f = open(out / "metrics.jsonl", "w")
+    g = torch.Generator().manual_seed(o("seed"))
+    t0, metrics = t_gen, []
+    S, K = o("seq_len"), o("anchors")
+    step, t_train = 0, time.time()
+    for step in range(1, o("steps") + 1):
+        lr = o("lr") * min(1.0, step / max(o("warmup"), 1))
+        if step > o("warmup"):
+            frac = (step - o("warmup")) / max(o("steps") - o("warmup"), 1)
+            if o("max_minutes") is not None:          # the schedule ends with the time limit too
+                budget = 60 * o("max_minutes") - (t_train - t0)
+                frac = max(frac, (time.time() - t_train) / max(budget, 1.0))
+            frac = min(frac, 1.0)
+            lr = o("min_lr") + 0.5 * (o("lr") - o("min_lr")) * (1 + math.cos(math.pi * frac))
+        for gr in opt.param_groups:
+            gr["lr"] = lr
+        if (step - 1) % o("updates_per_batch") == 0:
+            ids, _ = sampler.next_batch()
+            if gen is not None:               # part of the batch: the target's own continuations
+                pick = torch.randint(0, gen.shape[0], (n_gen,), generator=g)
+                ids = torch.cat((ids[: ids.shape[0] - n_gen], gen[pick]))
+            logits, taps = target_pass(model, ids)
+        anchors = torch.stack([torch.randperm(S - N + 1, generator=g)[:K].sort().values
+                               for _ in range(ids.shape[0])])
+        loss, st = draft_loss(model, ids, logits, taps, anchors, o("conf_weight"))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
+        opt.step()
+        rec = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": gn,
+               "elapsed_s": round(time.time() - t0, 1), **st}
+        metrics.append(rec)
+        metrics_f.write(json.dumps(rec) + "\n")
+        metrics_f.flush()
+        if step % o("log_every") == 0 or step == 1:
+            print(f"step {step} loss {rec['loss']:.4f} kl {st['kl']:.4f} run {st['accepted_run']:.2f} "
+                  f"agree {[round(x, 2) for x in st['agree_by_pos']]} {rec['elapsed_s']}s", flush=True)
+        if o("max_minutes") is not None and time.time() - t0 > 60 * o("max_minutes"):
+            print(f"stopping at step {step}: --max-minutes {o('max_minutes')} reached", flush=True)
+            break
+    metrics_f.close()
+    model.eval()
+    args_out = {"init": str(init), "steps_run": step,
+                **{k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)}}
+    save_checkpoint(out / "checkpoint", model, tok, training_args={"dspark_stage": args_out})
+    try:
+        plot_metrics(metrics, out / "loss.png")
+    except Exception as e:                                   # noqa: BLE001 - the plot is optional
+        print(f"warning: loss plot not written: {e}", file=sys.stderr)
+    last = metrics[-20:]
+    summary = {"dspark_steps": step, "dspark_minutes": round((time.time() - t0) / 60, 2),
+               "dspark_final_loss": sum(m["loss"] for m in last) / len(last),
+               "dspark_final_kl": sum(m["kl"] for m in last) / len(last),
+               "dspark_accepted_run": sum(m["accepted_run"] for m in last) / len(last)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if o("export"):
+        d = export_drafter(init, model, Path(o("export")))
+        print(f"exported {d} (mtp.safetensors {(d / 'mtp.safetensors').stat().st_size} B)")
+    print(json.dumps(summary))
+    return 0

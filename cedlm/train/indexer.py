@@ -1,0 +1,297 @@
+"""`cedlm train indexer`: distil the lightning indexer and continue training on long sequences.
+
+    cedlm train indexer --init cedlm/assets/model --out runs/indexer --seq-len 2048 \\
+        --warmup-steps 20 --steps 200 --max-minutes 45 --threads 1
+
+The lightning indexer gets no gradient through its top-k, so it is trained by distillation
+(DeepSeek's recipe; `cedlm.model.probe`): its score distribution over the visible compressed
+entries is pulled (KL) towards the main attention's distribution over the same entries (summed
+over the heads of the layers that use its selection, detached).
+
+With `--take-indexer RUN` nothing trains: --out gets the --init model with the indexer weights of
+a finished run (the distilled indexer without the run's continued training of the main weights).
+
+1. Dense warm-up (`--warmup-steps`): every index layer selects every visible entry; only the
+   indexer's weights train, on the KL alone (the rest of the model is frozen).
+2. Sparse phase (`--steps`): selection on (index_topk, candidate pool, as the model runs). The
+   whole model continues training on the language-modelling loss over long sequences of corpus
+   text carrying passkey / key-value retrieval items (`cedlm.data.retrieval`); the indexer
+   trains on the KL over its selected entries. The indexer's inputs are detached and its
+   selection passes no gradient, so each loss reaches only its own weights.
+
+Per step, metrics.jsonl gets: the losses, the KL per index layer, the top-k recall of attention
+mass per index layer (share of the dense attention mass over every visible entry that lands on
+the indexer's top-k, over query rows that see more than index_topk entries), the answer-token
+accuracy of the batch's retrieval items, lr, tokens/s and elapsed wall time. The run directory
+holds `checkpoint/` (the whole model: the main weights move in phase 2), `metrics.jsonl`,
+`loss.png` and `summary.json` (training cost: wall time and tokens per phase).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from cedlm import checkpoint as ckpt_io
+from cedlm.data.retrieval import training_sequence
+from cedlm.data.tokens import token_cache
+from cedlm.model.probe import IndexerProbe, distill_kl, topk_recall
+
+DEFAULT_INIT = "cedlm/assets/model"
+PREFIX = "indexer_"
+
+
+def stage_args(args: argparse.Namespace) -> argparse.Namespace:
+    """This stage's settings, without the prefix of their dests."""
+    return argparse.Namespace(**{k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)})
+
+
+def indexer_params(model) -> list[torch.nn.Parameter]:
+    return [p for n, p in model.named_parameters() if ".indexer." in n]
+
+
+def set_trainable(model, indexer_only: bool) -> None:
+    for n, p in model.named_parameters():
+        p.requires_grad_(".indexer." in n or not indexer_only)
+
+
+def batch_of(rng, tokens, tok, a) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [B, S], y [B, S], answer mask of y [B, S]): a --retrieval-fraction share of the
+    sequences carries --items retrieval items, the others are plain corpus windows."""
+    xs, ms = [], []
+    for _ in range(a.batch_size):
+        if rng.random() < a.retrieval_fraction:
+            ids, m = training_sequence(rng, tokens, tok, a.seq_len, a.items, a.min_gap)
+        else:
+            s = int(rng.integers(0, len(tokens) - a.seq_len - 1))
+            ids, m = np.asarray(tokens[s: s + a.seq_len + 1], dtype=np.int64), np.zeros(a.seq_len + 1, bool)
+        xs.append(ids), ms.append(m)
+    t, m = torch.from_numpy(np.stack(xs)), torch.from_numpy(np.stack(ms))
+    return t[:, :-1], t[:, 1:], m[:, 1:]
+
+
+def step(model, opt, x, y, ans, a, sparse: bool, lr_main: float, lr_idx: float) -> dict:
+    """One optimizer step of either phase -> its metrics."""
+    for g in opt.param_groups:
+        g["lr"] = lr_idx if g["name"] == "indexer" else lr_main
+    probe = IndexerProbe(dense=not sparse)
+    logits = model(x, probe=probe)
+    kl, per_layer = distill_kl(probe, sparse=sparse)
+    rec = {"phase": "sparse" if sparse else "dense", "kl": kl.item(),
+           **{f"kl_{l}": v for l, v in per_layer.items()},
+           **{f"recall_{l}": v for l, v in topk_recall(probe, model.cfg.index_topk).items()}}
+    with torch.no_grad():
+        ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+        rec["lm_loss"] = ce.mean().item()
+        if ans.any():
+            rec["answer_loss"] = ce[ans].mean().item()
+            rec["answer_acc"] = (logits.argmax(-1) == y)[ans].float().mean().item()
+    loss = a.kl_weight * kl
+    if sparse:
+        lm = ce_loss(logits, y, ans, a.answer_weight)
+        loss = loss + lm
+    loss.backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    rec["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, a.grad_clip).item() if a.grad_clip else None
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    rec["loss"] = loss.item()
+    return rec
+
+
+def ce_loss(logits, y, ans, answer_weight: float) -> torch.Tensor:
+    """Token-mean cross-entropy with answer tokens weighted `answer_weight` times."""
+    ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+    w = torch.ones_like(ce) + (answer_weight - 1.0) * ans.float()
+    return (ce * w).sum() / w.sum()
+
+
+def lr_at(i: int, n: int, peak: float, warm: int) -> float:
+    """Linear warm-up over `warm` steps, then cosine to 10% of peak at step n."""
+    if i < warm:
+        return peak * (i + 1) / warm
+    t = (i - warm) / max(1, n - warm)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def take_indexer(args: argparse.Namespace) -> int:
+    """--take-indexer RUN: the --init model with only its indexer weights replaced by those of a
+    run (the distilled indexer without the run's continued training of the main weights)."""
+    try:
+        model, tok = ckpt_io.load_model(args.init)
+        trained, _ = ckpt_io.load_model(args.take_indexer)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: --init / --take-indexer: {e}", file=sys.stderr)
+        return 2
+    src = {k: v for k, v in trained.state_dict().items() if ".indexer." in k}
+    state = model.state_dict()
+    if not src or any(k not in state or state[k].shape != v.shape for k, v in src.items()):
+        print("error: --take-indexer: its indexer tensors do not match the --init model's", file=sys.stderr)
+        return 2
+    model.load_state_dict({**state, **src}, strict=True)
+    out = Path(args.out)
+    saved = {"stage": "indexer", "init": str(args.init), "take_indexer": str(args.take_indexer)}
+    ckpt_io.save_checkpoint(out / ckpt_io.CHECKPOINT_NAME, model, tok, training_args=saved)
+    print(f"{out / ckpt_io.CHECKPOINT_NAME}: {args.init} with the {len(src)} indexer tensors of "
+          f"{args.take_indexer}", file=sys.stderr)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.take_indexer:
+        return take_indexer(args)
+    from cedlm.train.plot import plot_metrics
+    from cedlm.train.train import update_moe_bias, write_jsonl
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    try:
+        model, tok = ckpt_io.load_model(args.init)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: --init: {e}", file=sys.stderr)
+        return 2
+    if model.cfg.arch != "ced" or not model.cfg.index_source_layer_ids:
+        print("error: --init: the model has no lightning indexer to train", file=sys.stderr)
+        return 2
+    data = Path(args.data)
+    tokens = token_cache(data / "train.txt", tok, None)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.Generator(np.random.PCG64(args.seed))
+    idx = indexer_params(model)
+    idx_ids = {id(p) for p in idx}
+    main = [p for p in model.parameters() if id(p) not in idx_ids]
+    opt = torch.optim.AdamW([{"params": idx, "name": "indexer", "weight_decay": 0.0},
+                             {"params": [p for p in main if p.dim() >= 2], "name": "main",
+                              "weight_decay": args.weight_decay},
+                             {"params": [p for p in main if p.dim() < 2], "name": "main",
+                              "weight_decay": 0.0}], betas=(0.9, 0.95), eps=1e-8)
+    metrics: list[dict] = []
+    write_jsonl(out / "metrics.jsonl", metrics)
+    bar = None
+    total = args.warmup_steps + args.steps
+    if args.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=total, desc="train indexer", dynamic_ncols=True)
+    t0 = time.time()
+    cost = {"dense": {"steps": 0, "tokens": 0, "wall_s": 0.0}, "sparse": {"steps": 0, "tokens": 0, "wall_s": 0.0}}
+    model.train()
+    for i in range(total):
+        sparse = i >= args.warmup_steps
+        j = i - args.warmup_steps if sparse else i
+        set_trainable(model, indexer_only=not sparse)
+        ts = time.time()
+        x, y, ans = batch_of(rng, tokens, tok, args)
+        if sparse:
+            rec = step(model, opt, x, y, ans, args, True, lr_at(j, args.steps, args.lr, args.lr_warmup),
+                       lr_at(j, args.steps, args.indexer_lr, 1))
+            update_moe_bias(model, args.bias_update_rate, 1)
+        else:
+            rec = step(model, opt, x, y, ans, args, False, 0.0, lr_at(j, args.warmup_steps, args.indexer_lr, 1))
+            update_moe_bias(model, 0.0, 1)                  # frozen model: only reset the load
+        dt = time.time() - ts
+        c = cost[rec["phase"]]
+        c["steps"], c["tokens"], c["wall_s"] = c["steps"] + 1, c["tokens"] + x.numel(), c["wall_s"] + dt
+        rec.update(step=i + 1, tokens=sum(v["tokens"] for v in cost.values()),
+                   tokens_per_s=x.numel() / dt, elapsed=time.time() - t0)
+        metrics.append(rec)
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if bar:
+            bar.set_postfix(phase=rec["phase"], kl=f"{rec['kl']:.3f}", lm=f"{rec['lm_loss']:.3f}")
+            bar.update(1)
+        if (i + 1) % args.plot_every == 0:
+            _plot(metrics, out, plot_metrics)
+        if args.stop_at_step and i + 1 >= args.stop_at_step:
+            break
+        if args.max_minutes and time.time() - t0 >= args.max_minutes * 60:
+            print(f"time budget of {args.max_minutes} min reached at step {i + 1}", file=sys.stderr)
+            break
+    if bar:
+        bar.close()
+    model.eval()
+    saved = {k: v for k, v in vars(args).items() if k not in ("progress", "threads")}
+    ckpt_io.save_checkpoint(out / ckpt_io.CHECKPOINT_NAME, model, tok,
+                            training_args={**saved, "stage": "indexer", "step": len(metrics)})
+    _plot(metrics, out, plot_metrics)
+    summary = {"stage": "indexer", "init": str(args.init), "seq_len": args.seq_len,
+               "batch_size": args.batch_size, "threads": args.threads, "cost": cost,
+               "wall_s": time.time() - t0, "steps": len(metrics),
+               "command": "cedlm train indexer " + shlex.join(sys.argv[3:])}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary), file=sys.stderr)
+    return 0
+
+
+def _plot(metrics: list[dict], out: Path, plot_metrics) -> None:
+    """loss.png (LM loss) and distill.png (KL and top-k recall per index layer)."""
+    plot_metrics([{"step": m["step"], "loss": m["lm_loss"], "tokens": m["tokens"]} for m in metrics],
+                 out / "loss.png")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    keys = sorted({k for m in metrics for k in m if k.startswith("kl_")}, key=lambda k: int(k[3:]))
+    for k in keys:
+        a1.plot([m["step"] for m in metrics if k in m], [m[k] for m in metrics if k in m], label=f"layer {k[3:]}")
+        r = "recall_" + k[3:]
+        a2.plot([m["step"] for m in metrics if r in m], [m[r] for m in metrics if r in m], label=f"layer {k[3:]}")
+    dense = [m["step"] for m in metrics if m["phase"] == "dense"]
+    if dense and len(dense) < len(metrics):             # KL over all visible, then over the top-k
+        for ax in (a1, a2):
+            ax.axvline(dense[-1] + 0.5, color="grey", linestyle=":", linewidth=1)
+    a1.set(xlabel="step (dotted: dense warm-up | sparse)", ylabel="KL(attention || indexer) nats",
+           yscale="log", title="indexer distillation")
+    a2.set(xlabel="step", ylabel="top-k share of attention mass", title="top-k recall (rows beyond k)")
+    for ax in (a1, a2):
+        ax.grid(alpha=0.3), ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "distill.png")
+    plt.close(fig)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("indexer", help="distil the lightning indexer; continue training on "
+                              "long sequences with retrieval items", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    def a(flag, **kw):         # own dests: the pretraining flags share this namespace
+        kw.setdefault("dest", PREFIX + flag.lstrip("-").replace("-", "_"))
+        if kw.get("action") not in ("store_true", "store_false"):
+            kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
+        return p.add_argument(flag, **kw)
+    a("--init", default=DEFAULT_INIT, help=f"model directory to start from (default {DEFAULT_INIT})")
+    a("--out", default="runs/indexer", help="run directory (default runs/indexer)")
+    a("--data", default="data/corpus", help="corpus dir with train.txt (default data/corpus)")
+    a("--seq-len", type=int, default=2048, help="tokens per training sequence (default 2048)")
+    a("--batch-size", type=int, default=1, help="sequences per step (default 1)")
+    a("--warmup-steps", type=int, default=20, help="dense warm-up steps, indexer only (default 20)")
+    a("--steps", type=int, default=200, help="sparse steps, whole model (default 200)")
+    a("--lr", type=float, default=2e-4, help="peak lr of the main model (default 2e-4)")
+    a("--lr-warmup", type=int, default=10, help="linear lr warm-up of the sparse phase (default 10)")
+    a("--indexer-lr", type=float, default=1e-3, help="peak lr of the indexer (default 1e-3)")
+    a("--kl-weight", type=float, default=1.0, help="weight of the distillation KL (default 1)")
+    a("--answer-weight", type=float, default=1.0, help="LM loss weight of retrieval answer tokens (default 1)")
+    a("--retrieval-fraction", type=float, default=0.5, help="share of sequences with retrieval items (default 0.5)")
+    a("--items", type=int, default=6, help="retrieval items per such sequence (default 6)")
+    a("--min-gap", type=int, default=128, help="least tokens between a record and its query (default 128)")
+    a("--weight-decay", type=float, default=0.1)
+    a("--grad-clip", type=float, default=1.0)
+    a("--bias-update-rate", type=float, default=1e-3, help="MoE balancing bias step (default 1e-3)")
+    a("--seed", type=int, default=1234)
+    a("--threads", type=int, default=1, help="torch threads (default 1)")
+    a("--max-minutes", type=float, help="stop and save after this wall time")
+    a("--stop-at-step", type=int, help="stop and save after this step (counting the warm-up), "
+      "keeping the schedule of --steps (to repeat a run that --max-minutes stopped)")
+    a("--plot-every", type=int, default=10, help="steps between plot redraws (default 10)")
+    a("--take-indexer", metavar="RUN", help="train nothing: write --init's weights with the indexer "
+      "of RUN (a finished run) to --out")
+    a("--no-progress", dest=PREFIX + "progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=lambda args: run(stage_args(args)))
+    return p

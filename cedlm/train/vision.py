@@ -1,0 +1,312 @@
+"""`cedlm train vision`: a small ViT + aligner trained on top of a frozen text model.
+
+    cedlm train vision --init cedlm/assets/model --out runs/vision [--minutes 25] [--threads 1]
+
+The text model is extended with a scaled-down V4.1 vision tower (same structure: patch 14,
+2-D RoPE, SwiGLU blocks, 3x3-unfold aligner, learned image_start / image_newline / image_end;
+width/depth from the flags) and only `vision.*`, `aligner.*` and `image_*` are trained; the
+text weights (and the `ffn.gate.bias_vl` buffers, left as loaded) do not change. Each example is
+a chat turn rendered with the V4.1 chat encoder, `[image] question` -> `answer<EOS>`, with the image
+placeholder expanded to its span (`cedlm.text.images.expand_image_tokens`); the loss is the
+cross-entropy of the answer tokens. Tasks (`cedlm.data.vision_tasks`): scikit-learn's digits
+(held-out 20%) and words rendered with Pillow.
+
+The run directory gets `checkpoint/` (the full model, `cedlm.checkpoint.save_checkpoint`),
+`metrics.jsonl`, `loss.png`, `eval.json` (held-out accuracies, measured by greedy decoding through
+the training forward, and a few through the engine) and `export/` (`cedlm.train.export`: the text
+weights unchanged in `model.safetensors`, the tower in `vision.safetensors`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+NAME = "vision"
+
+
+def vision_defaults():
+    from cedlm.config.vision import VisionConfig
+    return VisionConfig(num_hidden_layers=4, hidden_size=96, num_attention_heads=4,
+                        intermediate_size=256, patch_size=14, rope_theta=10000.0, downsample_ratio=3,
+                        max_image_tokens=64, min_pixels=126 * 126, max_wh_ratio=None)
+
+
+def extend_with_vision(model, tokenizer, vc, seed: int = 0):
+    """A copy of the text model with a fresh vision tower (text weights copied, strict)."""
+    from cedlm.config.vision import with_vision
+    from cedlm.model import CEDModel
+    from cedlm.text.special_tokens import IMAGE_TOKEN
+    image_id = tokenizer.special_ids[IMAGE_TOKEN]
+    cfg = with_vision(model.cfg, vc, image_id)
+    torch.manual_seed(seed)
+    vlm = CEDModel(cfg)
+    missing, unexpected = vlm.load_state_dict(model.state_dict(), strict=False)
+    bad = [k for k in missing if not k.startswith(("vision.", "aligner.", "image_"))]
+    if bad or unexpected:
+        raise ValueError(f"vision: text weights do not match ({bad[:3]} missing, {unexpected[:3]} unexpected)")
+    vlm.engram_token_map.copy_(model.engram_token_map)
+    with torch.no_grad():                 # image rows start at the scale of token embeddings
+        vlm.aligner.w2.weight.mul_(0.1)
+        vlm.aligner.w2.bias.zero_()
+    return vlm
+
+
+def freeze_text(model) -> list:
+    """Only the tower trains: `vision.*`, `aligner.*`, `image_*`; returns those parameters."""
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.startswith(("vision.", "aligner.", "image_")))
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class Examples:
+    """Tokenised examples: (ids, image start, span length, answer start, prepared image)."""
+
+    def __init__(self, model, tokenizer, items, question: str, question_first: bool = True):
+        from cedlm.config.vision import vision_config_of
+        from cedlm.text.chat import encode_chat_ids
+        from cedlm.text.images import expand_image_tokens, preprocess
+        vc = vision_config_of(model.cfg)
+        parts = [{"type": "image"}, {"type": "text", "text": question}]
+        msgs = [{"role": "user", "content": parts[::-1] if question_first else parts}]
+        prompt = encode_chat_ids(msgs, tokenizer)
+        self.rows = []
+        for im, ans in items:
+            img = preprocess(im, vc)
+            ids, spans = expand_image_tokens(prompt, [img], model.image_token_id)
+            tgt = tokenizer.encode_plain(str(ans)) + [tokenizer.eos_id]
+            self.rows.append((ids + tgt, spans[0][0], len(ids), img, str(ans)))
+
+    def batch(self, idx: list[int]):
+        rows = [self.rows[i] for i in idx]
+        S = max(len(r[0]) for r in rows)
+        ids = torch.full((len(rows), S), 2, dtype=torch.int64)
+        tgt_mask = torch.zeros(len(rows), S, dtype=torch.bool)
+        for b, (t, _, a, _, _) in enumerate(rows):
+            ids[b, : len(t)] = torch.tensor(t)
+            tgt_mask[b, a: len(t)] = True
+        return ids, tgt_mask, rows
+
+
+def _embed_images(model, rows):
+    """Span embeddings of the images of `rows`, batched by grid; per row [(start, emb)]."""
+    from cedlm.model.vision import encode_image
+    out = [None] * len(rows)
+    groups: dict = {}
+    for b, r in enumerate(rows):
+        groups.setdefault((r[3].vit_grid, r[3].llm_grid), []).append(b)
+    for (vg, lg), bs in groups.items():
+        emb = encode_image(model, torch.stack([rows[b][3].patches for b in bs]), vg, lg)
+        for k, b in enumerate(bs):
+            out[b] = [(rows[b][1], emb[k])]
+    return out
+
+
+def loss_of(model, ex: Examples, idx: list[int]) -> torch.Tensor:
+    ids, mask, rows = ex.batch(idx)
+    logits = model(ids, images=_embed_images(model, rows))
+    m = mask[:, 1:]
+    return F.cross_entropy(logits[:, :-1][m], ids[:, 1:][m])
+
+
+@torch.no_grad()
+def accuracy(model, tokenizer, ex: Examples, limit: int | None = None, batch: int = 32,
+             max_new: int = 6) -> float:
+    """Exact-match accuracy of greedy answers (training forward, answers decoded to EOS)."""
+    rows = ex.rows[:limit] if limit else ex.rows
+    ok = 0
+    for i in range(0, len(rows), batch):
+        chunk = rows[i: i + batch]
+        imgs = _embed_images(model, chunk)
+        seqs = [list(r[0][: r[2]]) for r in chunk]
+        done = [False] * len(chunk)
+        for _ in range(max_new):
+            S = max(len(s) for s in seqs)
+            ids = torch.full((len(seqs), S), 2, dtype=torch.int64)
+            for b, s in enumerate(seqs):
+                ids[b, : len(s)] = torch.tensor(s)
+            logits = model(ids, images=imgs)
+            for b, s in enumerate(seqs):
+                if not done[b]:
+                    t = int(logits[b, len(s) - 1].argmax())
+                    s.append(t)
+                    done[b] = t == tokenizer.eos_id
+            if all(done):
+                break
+        for b, r in enumerate(chunk):
+            out = seqs[b][r[2]:]
+            if tokenizer.eos_id in out:
+                out = out[: out.index(tokenizer.eos_id)]
+            ok += tokenizer.decode(out).strip() == r[4]
+    return ok / max(len(rows), 1)
+
+
+PREFIX = "vision_"          # own dests: the pretraining flags share the argparse namespace
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(NAME, help="train a small ViT + aligner on top of a frozen text model",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def a(flag, **kw):
+        kw.setdefault("dest", PREFIX + flag.lstrip("-").replace("-", "_"))
+        return p.add_argument(flag, **kw)
+    a("--init", required=True, metavar="MODEL_DIR", help="the text model (model dir or run dir)")
+    a("--out", required=True, metavar="RUN_DIR", help="run directory (export/ is written inside)")
+    a("--minutes", type=float, default=24.0, help="wall-clock budget of the three phases (default 24; "
+      "with data preparation and the final evaluation the run takes about 5 minutes more)")
+    a("--steps", type=int, default=4000, help="at most this many steps (default 4000)")
+    a("--batch", type=int, default=24, help="examples per step (default 24)")
+    a("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    a("--threads", type=int, default=1, help="torch threads (default 1)")
+    a("--seed", type=int, default=0)
+    a("--word-examples", type=int, default=3000, help="rendered training words (default 3000)")
+    a("--vision-layers", type=int, default=None, help="ViT blocks (default 4)")
+    a("--vision-width", type=int, default=None, help="ViT width (default 96)")
+    a("--eval-every", type=int, default=100, help="end-to-end steps between held-out checks (default 100)")
+    a("--anchor-frac", type=float, default=0.45, help="share of the budget for phase A at most (default 0.45)")
+    a("--regress-frac", type=float, default=0.2, help="share of the budget for phase B (default 0.2)")
+    a("--anchors", default=None, metavar="ANCHORS_PT", help="reuse phase A (anchors.pt of an earlier "
+      "run on the same text model and vision config) and skip it")
+    a("--e2e-tasks", nargs="+", choices=("digits", "words"), default=["digits", "words"],
+      help="the end-to-end phase's task schedule, cycled (default: digits words)")
+    a("--codes", action="store_true", help="phase B as class codes in the aligner (digits; "
+      "cedlm.train.vision_anchors.train_codes) instead of regression")
+    p.set_defaults(func=lambda args: run(argparse.Namespace(**{
+        k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)})))
+    return p
+
+
+def run(args) -> int:
+    try:
+        return _run(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    import dataclasses
+
+    from cedlm.checkpoint import load_model, save_checkpoint
+    from cedlm.data import vision_tasks as T
+    from cedlm.train.export import export_model
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text, tok = load_model(args.init)
+    vc = vision_defaults()
+    if args.vision_layers or args.vision_width:
+        vc = dataclasses.replace(vc, num_hidden_layers=args.vision_layers or vc.num_hidden_layers,
+                                 hidden_size=args.vision_width or vc.hidden_size)
+    model = extend_with_vision(text, tok, vc, args.seed).eval()
+    # eval() except inside a step: MoE load counters and anything mode-dependent stay as served
+    del text
+    train_params = freeze_text(model)
+    d_train, d_test = T.digits_split(args.seed)
+    tasks = {
+        "digits": (Examples(model, tok, d_train, T.DIGIT_QUESTION), Examples(model, tok, d_test, T.DIGIT_QUESTION)),
+        "words": (Examples(model, tok, T.word_examples(args.word_examples, args.seed + 1), T.WORD_QUESTION),
+                  Examples(model, tok, T.word_examples(300, args.seed + 1000), T.WORD_QUESTION)),
+    }
+    rng = random.Random(args.seed)
+    t0, metrics = time.monotonic(), []
+    budget = args.minutes * 60
+    mf = open(out / "metrics.jsonl", "w")
+
+    def log(rec: dict) -> None:
+        metrics.append(rec)
+        mf.write(json.dumps(rec) + "\n")
+        mf.flush()
+
+    def checkpoint(rec: dict) -> None:
+        for k, (_, te) in tasks.items():
+            rec[f"{k}_heldout_acc_100"] = accuracy(model, tok, te, limit=100)
+        print(json.dumps(rec), flush=True)
+
+    # Phases A (anchors) and B (regression): cedlm.train.vision_anchors
+    from cedlm.train.vision_anchors import Anchors, train_anchors, train_regression
+    from cedlm.train.vision_anchors import train_codes
+    anchors = {k: Anchors(model, tr) for k, (tr, _) in tasks.items()}
+    if args.anchors:                      # phase A of an earlier run on the same text model
+        saved = torch.load(args.anchors, weights_only=True)
+        shared = saved.pop("_shared", None)
+        for k, rows in saved.items():
+            if rows.shape != anchors[k].rows.shape:
+                raise ValueError(f"--anchors: {k} rows {tuple(rows.shape)} do not match this run's "
+                                 f"{tuple(anchors[k].rows.shape)}")
+            anchors[k].rows.data.copy_(rows)
+        if shared is not None:
+            with torch.no_grad():
+                for name, v in shared.items():
+                    getattr(model, name).copy_(v)
+        na = 0
+    else:
+        na = train_anchors(model, anchors, args.anchor_frac * budget, args.batch, 3e-2, log, rng,
+                           order=["digits", "digits", "words"])
+    torch.save({**{k: a.rows.detach() for k, a in anchors.items()},
+                "_shared": {n: getattr(model, n).detach().clone()
+                            for n in ("image_start", "image_newline", "image_end")}}, out / "anchors.pt")
+    checkpoint({"phase": "anchors_done", "steps": na, "elapsed_s": round(time.monotonic() - t0, 1)})
+    if args.codes:
+        nr = train_codes(model, anchors["digits"], args.regress_frac * budget, 128, 3e-3, log, rng)
+    else:
+        nr = train_regression(model, anchors, args.regress_frac * budget, 128, args.lr, log, rng)
+    checkpoint({"phase": "regression_done", "steps": nr, "elapsed_s": round(time.monotonic() - t0, 1)})
+    # Phase C: end to end through the frozen text model
+    opt = torch.optim.AdamW(train_params, lr=args.lr, weight_decay=0.01)
+    c0, step, total = time.monotonic(), 0, args.steps
+    left = budget - (c0 - t0)
+    while step < total and time.monotonic() - c0 < left:
+        frac = min(1.0, (time.monotonic() - c0) / max(left, 1e-9))
+        lr = args.lr * 0.5 * min(1.0, (step + 1) / 10) * (0.1 + 0.9 * 0.5 * (1 + math.cos(frac * math.pi)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        name = args.e2e_tasks[step % len(args.e2e_tasks)]
+        ex = tasks[name][0]
+        model.train()         # the storage rounding passes straight-through gradients
+        loss = loss_of(model, ex, [rng.randrange(len(ex.rows)) for _ in range(args.batch)])
+        model.eval()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(train_params, 1.0)
+        opt.step()
+        step += 1
+        rec = {"phase": "end_to_end", "step": step, "task": name, "loss": round(loss.item(), 5),
+               "lr": lr, "elapsed_s": round(time.monotonic() - t0, 1)}
+        log(rec)
+        if step % args.eval_every == 0:
+            checkpoint(dict(rec))
+    mf.close()
+    train_s = time.monotonic() - t0
+    res = {"anchor_steps": na, "regression_steps": nr, "end_to_end_steps": step,
+           "train_seconds": round(train_s, 1), "threads": args.threads,
+           "vision_config": vc.to_dict(), "init": str(args.init),
+           "vision_params": sum(p.numel() for p in train_params),
+           "digits_heldout_acc": accuracy(model, tok, tasks["digits"][1]),
+           "digits_heldout_n": len(tasks["digits"][1].rows),
+           "words_heldout_acc": accuracy(model, tok, tasks["words"][1]),
+           "words_heldout_n": len(tasks["words"][1].rows)}
+    unseen = Examples(model, tok, T.word_examples(80, args.seed + 2000, T.UNSEEN_WORDS), T.WORD_QUESTION)
+    res["unseen_words_acc"] = accuracy(model, tok, unseen)
+    try:
+        from cedlm.train.plot import plot_metrics
+        e2e = [m for m in metrics if m.get("phase") == "end_to_end"]
+        plot_metrics([{"step": m["step"], "loss": m["loss"], "tokens": 0} for m in e2e], out / "loss.png")
+    except ImportError:
+        pass
+    for p in model.parameters():
+        p.requires_grad_(True)
+    (out / "args.json").write_text(json.dumps(vars(args), indent=2) + "\n")
+    save_checkpoint(out / "checkpoint", model, tok)
+    export_model(out / "checkpoint", out / "export", summary={"stage": "vision", **res})
+    (out / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps(res, indent=2))
+    return 0

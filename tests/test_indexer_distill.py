@@ -1,0 +1,200 @@
+"""Lightning-indexer distillation (probe, loss, stage), retrieval data and the fidelity measurement."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cedlm.checkpoint import load_model, save_checkpoint
+from cedlm.data.retrieval import eval_sample, training_sequence
+from cedlm.engine.loader import load_any
+from cedlm.eval.fidelity import Measurement, REFERENCE, Setting, reference, variant_model
+from cedlm.model.probe import IndexerProbe, distill_kl, topk_recall
+from cedlm.quant import bytes_per_entry, decode, encode, quant_dequant
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    return load_any("tiny", seed=3)
+
+
+@pytest.fixture(scope="module")
+def text_tokens(tiny):
+    _, tok = tiny
+    return np.asarray(tok.encode((REPO / "README.md").read_text(encoding="utf-8")), dtype=np.int64)
+
+
+def _ids(model, S=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.cfg.vocab_size, (2, S), generator=g)
+
+
+def test_probe_off_and_on_give_the_same_logits(tiny):
+    model, _ = tiny
+    x = _ids(model)
+    with torch.no_grad():
+        a = model(x)
+        b = model(x, probe=IndexerProbe(dense=False))
+    assert torch.equal(a, b)
+
+
+def test_indexer_weights_move_under_distillation_and_nothing_else(tiny):
+    model, _ = tiny
+    model = variant_model(model, tiny[1], Setting("copy"))
+    model.train()
+    x = _ids(model)
+    probe = IndexerProbe(dense=True)
+    model(x, probe=probe)
+    kl, per = distill_kl(probe, sparse=False)
+    assert kl.item() > 0 and set(per) == set(model.cfg.index_source_layer_ids)
+    assert set(topk_recall(probe, model.cfg.index_topk)) == set(per)
+    kl.backward()
+    moved = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert moved and all(".indexer." in n for n in moved)
+    # every indexer projection gets a gradient; weights move under an optimizer step
+    assert any(".indexer.wk." in n for n in moved) and any(".indexer.weights_proj." in n for n in moved)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == moved
+
+
+def test_lm_loss_reaches_no_indexer_weight_and_kl_no_main_weight(tiny):
+    model, tok = tiny
+    model = variant_model(model, tok, Setting("copy"))
+    model.train()
+    x = _ids(model)
+    probe = IndexerProbe(dense=False)
+    logits = model(x, probe=probe)
+    F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten()).backward(retain_graph=True)
+    assert all(p.grad is None for n, p in model.named_parameters() if ".indexer." in n)
+    model.zero_grad(set_to_none=True)
+    kl, _ = distill_kl(probe, sparse=True)
+    kl.backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if ".indexer." not in n)
+    # with sparse selection the KL is over the selected entries only: 0 when there is one
+    assert kl.item() >= 0
+
+
+def test_dense_probe_selects_every_visible_entry(tiny):
+    model, _ = tiny
+    probe = IndexerProbe(dense=True)
+    with torch.no_grad():
+        model(_ids(model), probe=probe)
+    for l in probe.layers:
+        # the attention target covers every visible entry: mass outside them is zero
+        assert (probe.target[l][~probe.visible[l]] == 0).all()
+        assert (probe.target[l].sum(-1) > 0).any()
+
+
+def test_dense_config_reads_entries_densely_like_the_gather(tiny):
+    """A config whose index_topk covers any context takes the dense path; one just below the
+    bound gathers every entry per query: the same attention."""
+    model, tok = tiny
+    cap = model.cfg.max_position_embeddings
+    ids = _ids(model, S=80)[0]
+    out = []
+    for k in (cap, cap - 1):
+        m = variant_model(model, tok, Setting("k", {"index_topk": k, "candidate_topk_blocks": 1 << 20}))
+        out.append(m.prefill(ids, m.new_state(), "full"))
+    assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4)
+
+
+def test_kl_is_exactly_zero_for_identical_configurations(tiny, text_tokens):
+    model, tok = tiny
+    meas = Measurement(model, tok, text_tokens, [96], 2, [96], 1, tail=24)
+    same = meas.run(Setting("reference, run again", dict(REFERENCE)))      # not the cached logits
+    assert same["kl"] == 0.0 and same["top1"] == 1.0 and same["d_ppl_pct"] == 0.0
+    fp4 = meas.run(Setting("fp4", {**REFERENCE, "main_kv_format": "kv_fp4"}))
+    assert fp4["kl"] > 0 and fp4["bytes_per_token"] < same["bytes_per_token"]
+    assert set(fp4["retrieval"]) == {"96"}
+
+
+def test_retrieval_samples_are_exact_and_answer_last(tiny, text_tokens):
+    _, tok = tiny
+    rng = np.random.Generator(np.random.PCG64(0))
+    for kind in ("passkey", "kv"):
+        ids, n = eval_sample(rng, text_tokens, tok, 300, kind, 0.1)
+        assert len(ids) == 300 and 0 < n < 10
+        txt = tok.decode(ids.tolist())
+        answer = tok.decode(ids[-n:].tolist()).strip()
+        assert answer.isdigit() and txt.count(answer) >= 2        # the record holds the answer
+    with pytest.raises(ValueError, match="length"):
+        eval_sample(rng, text_tokens, tok, 10, "kv", 0.5)
+    ids, mask = training_sequence(rng, text_tokens, tok, 400, 3, 64)
+    assert len(ids) == 401 and mask.sum() >= 3
+    assert tok.decode(ids[mask].tolist()).replace(" ", "").isdigit()
+
+
+def test_bf16_format_round_trips():
+    x = torch.randn(5, 128)
+    b = encode(x, "bf16")
+    assert b.shape == (5, 256) and bytes_per_entry("bf16", 128) == 256
+    assert torch.equal(decode(b, "bf16", 128), quant_dequant(x, "bf16"))
+    assert torch.equal(quant_dequant(x, "bf16"), x.to(torch.bfloat16).float())
+
+
+def test_indexer_stage_trains_and_saves(tiny, tmp_path):
+    from cedlm.cli import main
+    model, tok = tiny
+    save_checkpoint(tmp_path / "init", model, tok)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.txt").write_text((REPO / "README.md").read_text(encoding="utf-8"))
+    rc = main(["train", "indexer", "--init", str(tmp_path / "init"), "--out", str(tmp_path / "run"),
+               "--data", str(data), "--seq-len", "128", "--warmup-steps", "2", "--steps", "1",
+               "--items", "1", "--min-gap", "16", "--no-progress"])
+    assert rc == 0
+    recs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in recs] == ["dense", "dense", "sparse"]
+    assert all(any(k.startswith("recall_") for k in r) for r in recs)
+    trained, _ = load_model(tmp_path / "run")
+    a, b = model.state_dict(), trained.state_dict()
+    assert any(not torch.equal(a[k], b[k]) for k in a if ".indexer." in k)
+    assert (tmp_path / "run" / "loss.png").exists() and (tmp_path / "run" / "summary.json").exists()
+    # --take-indexer: the init model's weights with the run's indexer, nothing trained
+    rc = main(["train", "indexer", "--init", str(tmp_path / "init"), "--take-indexer", str(tmp_path / "run"),
+               "--out", str(tmp_path / "only")])
+    assert rc == 0
+    only = load_model(tmp_path / "only")[0].state_dict()
+    assert all(torch.equal(only[k], (b if ".indexer." in k else a)[k]) for k in a)
+
+
+def test_ablate_quick_runs(tmp_path):
+    from cedlm.cli import main
+    rc = main(["eval", "ablate", "--quick", "--out", str(tmp_path), "--text", str(REPO / "README.md"),
+               "--threads", "1"])
+    assert rc == 0
+    res = json.loads((tmp_path / "fidelity.json").read_text())
+    names = [r["name"] for r in res["rows"]]
+    assert names[0] == "reference" and res["rows"][0]["kl"] == 0.0
+    assert any("initialisation" in n for n in names) and any("prefill" in n for n in names)
+    md = (tmp_path / "FIDELITY.md").read_text()
+    assert "| reference |" in md and "fidelity_kl.png" in md
+    assert (tmp_path / "fidelity_kl.png").exists() and (tmp_path / "fidelity_retrieval.png").exists()
+    notes = tmp_path / "notes.md"
+    notes.write_text("## Extra notes\n")
+    assert main(["eval", "ablate", "--out", str(tmp_path), "--report-only", "--notes", str(notes),
+                 "--report", str(tmp_path / "F.md")]) == 0
+    assert "## Extra notes" in (tmp_path / "F.md").read_text() and "| reference |" in (tmp_path / "F.md").read_text()
+
+
+def test_fidelity_cli_rejects_unknown_field(capsys):
+    from cedlm.cli import main
+    rc = main(["eval", "fidelity", "--model", "tiny", "--set", "no_such_field=1", "--text",
+               str(REPO / "README.md")])
+    assert rc == 2 and "no_such_field" in capsys.readouterr().err
+
+
+def test_fidelity_cli_rejects_a_bad_value(capsys):
+    from cedlm.cli import main
+    rc = main(["eval", "fidelity", "--model", "tiny", "--set", "index_topk=0", "--text",
+               str(REPO / "README.md")])
+    assert rc == 2 and "index_topk: must be positive" in capsys.readouterr().err

@@ -1,0 +1,120 @@
+"""Speculative verification and rollback (cedlm/model/rollback.py): after verifying T tokens and
+keeping n, every cache holds what a run that appended only the n tokens holds.
+
+Exact (byte-identical, tolerance-free): keeping none gives back the state before the verify call,
+every byte; counts, positions and token ids always match exactly. The bytes of kept rows depend on
+the call they were computed in: CPU GEMMs round differently with the row count (fewer than 4 rows
+vs more, measured here) and the MoE groups the rows of a call per expert, so the same kept token
+computed beside other rejected tokens can differ in the last float bit and, rarely, land on the
+other side of an FP8/FP4 rounding boundary. Those comparisons allow what `test_model.py`'s
+batched-decode check allows: identical, or a few codes one step apart and pending rows within
+1e-5."""
+import pytest
+import torch
+
+from cedlm.config import ModelConfig
+from cedlm.model import CEDModel
+from cedlm.model.rollback import mark, rollback, verify
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig.preset("tiny").replace(initializer_range=0.08)
+    torch.manual_seed(0)
+    return CEDModel(cfg).eval()
+
+
+def _assert_same(a, b, exact: bool = True):
+    assert a.num_tokens == b.num_tokens and a.token_ids == b.token_ids
+    pairs = []
+    for s in a.kv:
+        assert a.kv[s].n == b.kv[s].n, f"main KV entries of source {s}"
+        pairs.append((a.kv[s].view(), b.kv[s].view()))
+    for s in a.index:
+        assert a.index[s].n == b.index[s].n, f"index keys of source {s}"
+        pairs.append((a.index[s].view(), b.index[s].view()))
+    for l in a.window:
+        assert torch.equal(a.window_pos[l], b.window_pos[l]), f"window positions of layer {l}"
+        pairs.append((a.window[l], b.window[l]))
+    assert a.pending.keys() == b.pending.keys()
+    for s in a.pending:
+        for x, y in zip(a.pending[s], b.pending[s]):
+            assert x.shape == y.shape, f"pending rows of source {s}"
+            assert torch.equal(x, y) if exact else torch.allclose(x, y, atol=1e-5, rtol=1e-5)
+    differing = sum(int((x != y).sum()) for x, y in pairs)
+    if exact:
+        assert differing == 0
+    else:
+        assert differing <= 0.01 * sum(x.numel() for x, _ in pairs)
+
+
+def _prefilled(model, prompt):
+    st = model.new_state()
+    model.prefill(prompt, st, "full")
+    return st
+
+
+def _verify_keep(model, st, ids, n_keep):
+    m = mark(st, ids.shape[1])
+    logits, cap = verify(model, ids, [st])
+    rollback(model, st, m, n_keep, cap, 0)
+    return logits
+
+
+@pytest.mark.parametrize("prompt_len", [13, 14, 22])          # odd / even compressor phase, ring wrap
+@pytest.mark.parametrize("n_keep", [0, 1, 2, 3, 5])
+def test_rejected_tokens_leave_no_trace(tiny, prompt_len, n_keep):
+    V = tiny.cfg.vocab_size
+    g = torch.Generator().manual_seed(prompt_len * 10 + n_keep)
+    prompt = torch.randint(0, V, (prompt_len,), generator=g)
+    kept = torch.randint(0, V, (1, n_keep), generator=g)
+    a, b = _prefilled(tiny, prompt), _prefilled(tiny, prompt)
+    ta = torch.cat((kept, torch.randint(0, V, (1, 5 - n_keep), generator=g)), 1)
+    tb = torch.cat((kept, torch.randint(0, V, (1, 5 - n_keep), generator=g)), 1)
+    la = _verify_keep(tiny, a, ta, n_keep)
+    lb = _verify_keep(tiny, b, tb, n_keep)
+    assert torch.allclose(la[:, :n_keep], lb[:, :n_keep], atol=1e-4)   # kept rows see no rejected one
+    _assert_same(a, b, exact=False)
+    nxt = torch.randint(0, V, (1, 6), generator=g)                 # both go on alike
+    assert torch.allclose(verify(tiny, nxt, [a])[0], verify(tiny, nxt, [b])[0], atol=1e-3)
+    _assert_same(a, b, exact=False)
+
+
+@pytest.mark.parametrize("prompt_len", [13, 14, 22])
+@pytest.mark.parametrize("n_keep", [1, 4, 7])
+def test_rollback_equals_a_run_that_never_drafted(tiny, prompt_len, n_keep):
+    V = tiny.cfg.vocab_size
+    g = torch.Generator().manual_seed(prompt_len * 100 + n_keep)
+    prompt = torch.randint(0, V, (prompt_len,), generator=g)
+    ids = torch.randint(0, V, (1, 8), generator=g)                  # T = 8 = the tiny window
+    a, ref = _prefilled(tiny, prompt), _prefilled(tiny, prompt)
+    la = _verify_keep(tiny, a, ids, n_keep)
+    lr, _ = verify(tiny, ids[:, :n_keep], [ref])
+    assert torch.allclose(la[:, :n_keep], lr, atol=1e-4)
+    _assert_same(a, ref, exact=False)
+    nxt = torch.randint(0, V, (1, 4), generator=g)
+    assert torch.allclose(verify(tiny, nxt, [a])[0], verify(tiny, nxt, [ref])[0], atol=1e-3)
+    _assert_same(a, ref, exact=False)
+
+
+@pytest.mark.parametrize("prompt_len", [13, 14, 22, 31])
+def test_keeping_none_restores_every_byte(tiny, prompt_len):
+    V = tiny.cfg.vocab_size
+    g = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(0, V, (prompt_len,), generator=g)
+    a, ref = _prefilled(tiny, prompt), _prefilled(tiny, prompt)
+    _verify_keep(tiny, a, torch.randint(0, V, (1, 8), generator=g), 0)
+    _assert_same(a, ref, exact=True)
+    nxt = torch.randint(0, V, (1, 3), generator=g)                 # and both go on alike, exactly
+    assert torch.equal(verify(tiny, nxt, [a])[0], verify(tiny, nxt, [ref])[0])
+    _assert_same(a, ref, exact=True)
+
+
+def test_rollback_checks(tiny):
+    st = _prefilled(tiny, torch.arange(10))
+    with pytest.raises(ValueError, match="exceed the window"):
+        mark(st, tiny.cfg.sliding_window + 1)
+    m = mark(st, 3)
+    _, cap = verify(tiny, torch.tensor([[1, 2, 3]]), [st])
+    with pytest.raises(ValueError, match="n_keep"):
+        rollback(tiny, st, m, 4, cap, 0)

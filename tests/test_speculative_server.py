@@ -1,0 +1,78 @@
+"""`cedlm serve --speculative` and `cedlm generate --speculative`: same greedy output as without,
+the DSpark counters in /metrics and the stats, clear one-line errors for bad options."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+import torch  # noqa: E402
+
+from cedlm.config import ModelConfig  # noqa: E402
+from cedlm.engine.llm import LLM  # noqa: E402
+from cedlm.engine.sampling_params import SamplingParams  # noqa: E402
+from cedlm.model import CEDModel  # noqa: E402
+from cedlm.server.app import create_app  # noqa: E402
+from tests.test_server import serve  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def _model():
+    torch.manual_seed(0)
+    return CEDModel(ModelConfig.preset("tiny").replace(initializer_range=0.08), dspark=True).eval()
+
+
+def _completion(base, prompt):
+    r = httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 12,
+                                                   "temperature": 0, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_server_speculative_matches_plain_and_exports_metrics():
+    m = _model()
+    plain = create_app(LLM(m, kv_budget_bytes=8 << 20, num_threads=1), served_model_name="m")
+    spec = create_app(LLM(m, kv_budget_bytes=8 << 20, num_threads=1, speculative="dspark"),
+                      served_model_name="m")
+    prompts = ["It is a truth", "In the beginning"]
+    with serve(plain) as base:
+        want = [_completion(base, p) for p in prompts]
+    with serve(spec) as base:
+        got = [_completion(base, p) for p in prompts]
+        metrics = httpx.get(f"{base}/metrics").text
+    assert got == want
+    vals = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in metrics.splitlines()
+            if ln and not ln.startswith("#")}
+    assert vals['cedlm_spec_steps_total{model_name="m"}'] > 0
+    assert vals['cedlm_spec_emitted_tokens_total{model_name="m"}'] == 2 * 11     # first tokens: prefill
+    assert 'cedlm_spec_acceptance_by_position{model_name="m",position="1"}' in vals
+
+
+def test_llm_options():
+    m = _model()
+    llm = LLM(m, num_threads=1, speculative="dspark", speculative_threshold=0.5)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0))[0]
+    assert len(out.token_ids) == 5 and llm.stats()["spec_steps"] > 0
+    with pytest.raises(ValueError, match="speculative: unknown method"):
+        LLM(m, speculative="eagle")
+    with pytest.raises(ValueError, match="speculative_threshold"):
+        LLM(m, speculative="dspark", speculative_threshold=2.0)
+    with pytest.raises(ValueError, match="need speculative"):
+        LLM(m, speculative_threshold=0.5)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--speculative", "medusa"], "speculative: unknown method"),
+    (["--speculative", "--speculative-threshold", "3"], "speculative_threshold"),
+    (["--speculative"], "speculative: this model has no DSpark drafter"),
+])
+def test_cli_errors_are_one_line(args, msg, capsys):
+    from cedlm.cli import main
+    rc = main(["generate", "--model", "tiny", "--random-weights", "--prompt", "hi", "--max-tokens", "2",
+               "--threads", "1", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert msg in err and len(err.strip().splitlines()) == 1, err
