@@ -40,15 +40,9 @@ def _small():
 
 
 def _clone_without_windows(model, st):
-    """What persistence keeps: global rows, compressor pending rows, token ids. No windows."""
-    new = model.new_state()
-    new.num_tokens, new.token_ids = st.num_tokens, list(st.token_ids)
-    for s in st.kv:
-        new.kv[s].append(st.kv[s].view().clone())
-    for s in st.index:
-        new.index[s].append(st.index[s].view().clone())
-    new.pending = {k: (a.clone(), b.clone()) for k, (a, b) in st.pending.items()}
-    return new
+    """What persistence keeps: global rows, compressor pending rows, token ids (no windows)."""
+    from cedlm.model.replay import persisted_copy
+    return persisted_copy(model, st)
 
 
 def _model_cases(name, model, out):

@@ -36,6 +36,7 @@ from cedlm.checkpoint import set_token_map
 from cedlm.data.retrieval import eval_sample
 from cedlm.kv_layout import KVLayout
 from cedlm.model import build_model
+from cedlm.model.replay import persisted_copy
 
 DENSE = 1 << 30                   # index_topk / candidate_topk_blocks beyond any context
 REFERENCE = {"main_kv_format": "bf16", "window_kv_format": "bf16", "index_kv_format": "bf16",
@@ -80,18 +81,6 @@ def bytes_per_token(model) -> float:
     return float(KVLayout.from_config(model.cfg).bytes_per_token)
 
 
-def _clone_without_windows(model, st):
-    """What persistence keeps: global rows, compressor pending rows, token ids (no windows)."""
-    new = model.new_state()
-    new.num_tokens, new.token_ids = st.num_tokens, list(st.token_ids)
-    for s in st.kv:
-        new.kv[s].append(st.kv[s].view().clone())
-    for s in st.index:
-        new.index[s].append(st.index[s].view().clone())
-    new.pending = {k: (a.clone(), b.clone()) for k, (a, b) in st.pending.items()}
-    return new
-
-
 @torch.no_grad()
 def tail_logits(model, ids: torch.Tensor, M: int, setting: Setting, chunk: int = 256) -> torch.Tensor:
     """ids [L] -> logits [M, vocab]: row i predicts ids[L - M + i]."""
@@ -106,7 +95,7 @@ def tail_logits(model, ids: torch.Tensor, M: int, setting: Setting, chunk: int =
     else:
         last = model.prefill(ctx, st, setting.prefill, chunk_size=chunk)[-1]
     if setting.restore:
-        st = _clone_without_windows(model, st)
+        st = persisted_copy(model, st)
         last = model.replay(st, setting.restore)
     rows = [last[None]]
     rest = ids[L - M: L - 1]

@@ -100,6 +100,19 @@ class PrefillRun:
         return self.logits
 
 
+def persisted_copy(model, state: SequenceState) -> SequenceState:
+    """What persistence keeps of `state`, as a new state: the global KV and index-key rows, the
+    compressor pending rows, token ids and images; no window rings (what `replay` rebuilds)."""
+    new = model.new_state()
+    new.num_tokens, new.token_ids, new.images = state.num_tokens, list(state.token_ids), list(state.images)
+    for s in state.kv:
+        new.kv[s].append(state.kv[s].view().clone())
+    for s in state.index:
+        new.index[s].append(state.index[s].view().clone())
+    new.pending = {k: (a.clone(), b.clone()) for k, (a, b) in state.pending.items()}
+    return new
+
+
 @torch.no_grad()
 def replay(model, state: SequenceState, mode: str = "exact") -> torch.Tensor:
     """Rebuild the window rings of `state` (global entries and token ids present, windows

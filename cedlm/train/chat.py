@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cedlm.train.stage import flag_adder
+
 NAME = "chat"
 PREFIX = "chat_"
 DEFAULT_INIT = "cedlm/assets/model"
@@ -45,11 +47,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(NAME, help="supervised chat stage: V4.1 chat encoding, short answers, end of turn",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def a(flag, **kw):
-        kw.setdefault("dest", PREFIX + flag.lstrip("-").replace("-", "_"))
-        if kw.get("action") != "store_true":
-            kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
-        return p.add_argument(flag, **kw)
+    a = flag_adder(p, PREFIX)
     a("--init", default=DEFAULT_INIT, metavar="MODEL_DIR",
       help=f"the model to start from (model dir or run dir; default {DEFAULT_INIT})")
     a("--out", required=True, metavar="RUN_DIR", help="run directory")

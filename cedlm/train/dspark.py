@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cedlm.train.stage import flag_adder
+
 NAME = "dspark"
 PREFIX = "dspark_"
 DEFAULT_INIT = "cedlm/assets/model"
@@ -48,11 +50,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(NAME, help="train the DSpark drafter (mtp.*) of a model, target frozen",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def a(flag, **kw):
-        kw.setdefault("dest", PREFIX + flag.lstrip("-").replace("-", "_"))
-        if kw.get("action") != "store_true":
-            kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
-        return p.add_argument(flag, **kw)
+    a = flag_adder(p, PREFIX)
     a("--init", default=DEFAULT_INIT, metavar="MODEL_DIR", help=f"the target model (default {DEFAULT_INIT})")
     a("--out", required=True, metavar="RUN_DIR", help="run directory")
     a("--export", default=None, metavar="DIR", help="also write a model directory with mtp.safetensors")

@@ -44,6 +44,7 @@ from cedlm import checkpoint as ckpt_io
 from cedlm.data.retrieval import training_sequence
 from cedlm.data.tokens import token_cache
 from cedlm.model.probe import IndexerProbe, distill_kl, topk_recall
+from cedlm.train.stage import flag_adder
 
 DEFAULT_INIT = "cedlm/assets/model"
 PREFIX = "indexer_"
@@ -261,11 +262,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("indexer", help="distil the lightning indexer; continue training on "
                               "long sequences with retrieval items", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    def a(flag, **kw):         # own dests: the pretraining flags share this namespace
-        kw.setdefault("dest", PREFIX + flag.lstrip("-").replace("-", "_"))
-        if kw.get("action") not in ("store_true", "store_false"):
-            kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
-        return p.add_argument(flag, **kw)
+    a = flag_adder(p, PREFIX)
     a("--init", default=DEFAULT_INIT, help=f"model directory to start from (default {DEFAULT_INIT})")
     a("--out", default="runs/indexer", help="run directory (default runs/indexer)")
     a("--data", default="data/corpus", help="corpus dir with train.txt (default data/corpus)")

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cedlm.train.stage import flag_adder
+
 NAME = "vision"
 
 
@@ -155,9 +157,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(NAME, help="train a small ViT + aligner on top of a frozen text model",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def a(flag, **kw):
-        kw.setdefault("dest", PREFIX + flag.lstrip("-").replace("-", "_"))
-        return p.add_argument(flag, **kw)
+    a = flag_adder(p, PREFIX, metavars=False)
     a("--init", required=True, metavar="MODEL_DIR", help="the text model (model dir or run dir)")
     a("--out", required=True, metavar="RUN_DIR", help="run directory (export/ is written inside)")
     a("--minutes", type=float, default=24.0, help="wall-clock budget of the three phases (default 24; "
