@@ -36,7 +36,7 @@ from torch import nn
 
 from cedlm.config import ConfigError, ModelConfig
 from cedlm.model.attention import Attention, attend
-from cedlm.model.mhc import collapse, expand, first_pre, hc_mixes, init_hc
+from cedlm.model.mhc import add_hc_params, collapse, expand, first_pre, sublayer_mixes
 from cedlm.model.moe import MoE
 from cedlm.model.norm import RMSNorm, rms
 from cedlm.quant import decode, encode
@@ -92,11 +92,7 @@ class DSparkStage(nn.Module):
         self.cfg = cfg
         self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
-        for sub in ("attn", "ffn"):
-            fn, base, scale = init_hc(n, D)
-            setattr(self, f"hc_{sub}_fn", nn.Parameter(fn))
-            setattr(self, f"hc_{sub}_base", nn.Parameter(base))
-            setattr(self, f"hc_{sub}_scale", nn.Parameter(scale))
+        add_hc_params(self, n, D)
         self.attn = Attention(dcfg, cfg.n_layers + s)
         assert self.attn.role == "swa"
         self.ffn = MoE(cfg, cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok)
@@ -108,10 +104,8 @@ class DSparkStage(nn.Module):
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank)
             self.confidence_head = ConfidenceHead(D + cfg.dspark_markov_rank)
 
-    def mixes(self, x, sub):
-        c = self.cfg
-        return hc_mixes(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
-                        getattr(self, f"hc_{sub}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+    def mixes(self, x: torch.Tensor, sub: str):
+        return sublayer_mixes(self, x, sub, self.cfg)
 
 
 def build_mtp(cfg: ModelConfig) -> nn.ModuleList:

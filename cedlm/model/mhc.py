@@ -14,6 +14,7 @@ takes copy 0); its own pre goes to sub-layer k+1, and the head collapses with th
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def sinkhorn(m: torch.Tensor, iters: int, eps: float = 0.0) -> torch.Tensor:
@@ -36,6 +37,22 @@ def init_hc(n: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     base[:n] = -torch.log(torch.tensor(float(max(n - 1, 1))))
     base[2 * n:] = (4.0 * torch.eye(n)).flatten()
     return fn, base, torch.ones(3)
+
+
+def add_hc_params(module: nn.Module, n: int, dim: int) -> None:
+    """Register a block's mHC parameters on `module` under the official names
+    `hc_{attn,ffn}_{fn,base,scale}` (attention's first: the order their init draws random numbers)."""
+    for sub in ("attn", "ffn"):
+        fn, base, scale = init_hc(n, dim)
+        setattr(module, f"hc_{sub}_fn", nn.Parameter(fn))
+        setattr(module, f"hc_{sub}_base", nn.Parameter(base))
+        setattr(module, f"hc_{sub}_scale", nn.Parameter(scale))
+
+
+def sublayer_mixes(module: nn.Module, x: torch.Tensor, sub: str, cfg):
+    """`hc_mixes` of sub-layer `sub` ("attn" or "ffn") of a block built with `add_hc_params`."""
+    return hc_mixes(x, getattr(module, f"hc_{sub}_fn"), getattr(module, f"hc_{sub}_base"),
+                    getattr(module, f"hc_{sub}_scale"), cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

@@ -31,7 +31,7 @@ from cedlm.model.engram import Engram
 from cedlm.model.dspark import build_mtp
 from cedlm.model.forward_batch import ForwardBatch
 from cedlm.model.kv_cache import ByteKVCache, KVCache, TrainingKVCache
-from cedlm.model.mhc import collapse, expand, first_pre, hc_mixes, init_hc
+from cedlm.model.mhc import add_hc_params, collapse, expand, first_pre, sublayer_mixes
 from cedlm.model.moe import MoE
 from cedlm.model.norm import RMSNorm
 from cedlm.model.replay import PREFILL_MODES, PrefillRun
@@ -46,20 +46,14 @@ class Block(nn.Module):
         D, n = cfg.hidden_size, cfg.hc_mult
         self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
-        for sub in ("attn", "ffn"):
-            fn, base, scale = init_hc(n, D)
-            setattr(self, f"hc_{sub}_fn", nn.Parameter(fn))
-            setattr(self, f"hc_{sub}_base", nn.Parameter(base))
-            setattr(self, f"hc_{sub}_scale", nn.Parameter(scale))
+        add_hc_params(self, n, D)
         self.attn = Attention(cfg, layer_id)
         self.ffn = MoE(cfg)
         if layer_id in cfg.engram_layer_ids:
             self.engram = Engram(cfg, layer_id)
 
     def mixes(self, x: torch.Tensor, sub: str):
-        c = self.cfg
-        return hc_mixes(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_base"),
-                        getattr(self, f"hc_{sub}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        return sublayer_mixes(self, x, sub, self.cfg)
 
     def forward(self, x: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, cache: KVCache):
         """x: mHC copies [B, T, n, D]; pre: the previous sub-layer's pre [B, T, n]."""
