@@ -28,6 +28,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """Terminate `proc`; kill it when it has not exited within `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def wait_healthy(base: str, alive, timeout: float, poll: float) -> bool:
+    """Poll GET `base`/health: True once it answers 200, False as soon as `alive()` is False or
+    `timeout` seconds have passed (callers fail with their own message)."""
+    import httpx
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        if not alive() or time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
+
+
 def _ping(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
@@ -64,12 +90,7 @@ def redis_url(tmp_path_factory):
             try:
                 yield f"redis://127.0.0.1:{port}/0"
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                stop_process(proc, 10)
                 log.close()
             return
         if proc.poll() is None:

@@ -27,7 +27,6 @@ import importlib.util
 import json
 import math
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -43,18 +42,13 @@ for _mod in ("lm_eval", "transformers", "tenacity"):
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
+from conftest import _free_port, stop_process, wait_healthy  # noqa: E402  (the suite's helpers)
 from cedlm.engine.loader import DEFAULT_MODEL  # noqa: E402
 from cedlm.eval.cli import main as eval_main  # noqa: E402
 
 CORPUS = Path(__file__).parent / "fixtures" / "corpus"
 SERVED = "cedlm-small"
 EOS_ID = 1          # the shipped tokenizer: BOS 0, EOS 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -68,24 +62,11 @@ def server(tmp_path_factory):
                                 stdout=log, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"cedlm serve did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
-                time.sleep(0.1)
+            if not wait_healthy(base, lambda: proc.poll() is None, 60, 0.1):
+                pytest.fail(f"cedlm serve did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
             yield base
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, 15)
 
 
 # --------------------------------------------------------------------------- data and tasks

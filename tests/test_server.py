@@ -7,7 +7,6 @@ check shapes, counts and limits, not text.
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 
@@ -20,6 +19,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 import torch  # noqa: E402
 
+from conftest import _free_port, wait_healthy  # noqa: E402  (the suite's helpers)
 from cedlm.engine.llm import LLM  # noqa: E402
 from cedlm.server.aliases import AliasTable, default_served_name, parse_alias  # noqa: E402
 from cedlm.server.app import create_app  # noqa: E402
@@ -27,12 +27,6 @@ from cedlm.server.app import create_app  # noqa: E402
 torch.set_num_threads(1)
 MODEL = "cedlm-tiny"
 MSG = [{"role": "user", "content": "Say hello."}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -44,15 +38,7 @@ def serve(app):
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline and th.is_alive(), "server did not start"
-        time.sleep(0.05)
+    assert wait_healthy(base, th.is_alive, 20, 0.05), "server did not start"
     try:
         yield base
     finally:

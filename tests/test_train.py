@@ -1,7 +1,6 @@
 """Training: token cache and sampler, checkpoints, the training loop, exact resume, DDP = 1 process."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from cedlm.train.checkpoint import load_training_state
 from cedlm.data.tokens import cache_path, token_cache
 from cedlm.train.data import BatchSampler, val_batches, val_windows
 from cedlm.train.train import build_parser, lr_at, resolve_args, train
+from conftest import _free_port  # the suite's helper
 
 FIX = Path(__file__).parent / "fixtures" / "corpus"
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,12 +189,6 @@ def test_max_minutes_stops_and_checkpoints(corpus, tmp_path):
     assert res["step"] == 1
     state = load_training_state(tmp_path / "t")
     assert state["step"] == 1 and state["args"]["steps"] == 50
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ddp_two_ranks_match_one_process(corpus, tmp_path):
