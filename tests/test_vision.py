@@ -249,3 +249,19 @@ def test_prefix_cache_separates_images(vlm):
     full, ims = expand(vlm, prompt, [blue])
     lg = vlm(torch.tensor([full]), images=[span_embeds(vlm, ims)])
     assert r3.token_ids[0] == int(lg[0, -1].argmax())
+
+
+def test_save_session_with_images_is_a_clear_error(vlm, tmp_path):
+    """Sessions store token ids and replay them; image embeddings are not stored, so a prompt
+    with images (or bare image placeholders) is refused with a message, and nothing is stored."""
+    from PIL import Image
+
+    from cedlm.engine.llm import LLM
+    llm = LLM(vlm, None, store=str(tmp_path / "store"))
+    red = Image.new("RGB", (60, 30), (255, 0, 0))
+    with pytest.raises(ValueError, match="save_session: prompts with images"):
+        llm.save_session("k", {"prompt": [0, 5, IMG, 7], "multi_modal_data": {"image": red}})
+    with pytest.raises(ValueError, match="image placeholders"):
+        llm.save_session("k", [0, 5, IMG, 7])
+    assert llm.restore_session("k") is None
+    assert llm.save_session("k", [0, 5, 6, 7]) > 0                     # text prompts still work

@@ -202,8 +202,16 @@ class LLM:
         from cedlm.engine.session import save_session
         if self.engine.store is None:
             raise ValueError("store: LLM(..., store=PATH or redis://...) is needed for sessions")
+        if isinstance(prompt, dict):
+            raise ValueError("save_session: prompts with images are not supported (a session "
+                             "stores token ids and replays them; image embeddings are not stored)")
+        ids = self.encode(prompt)
+        img = getattr(self.model, "image_token_id", None)
+        if img is not None and img in ids:
+            raise ValueError(f"save_session: the prompt holds image placeholders (token {img}); "
+                             f"sessions with images are not supported")
         st = self.model.new_state()
-        self.model.prefill(self.encode(prompt), st, self.engine.cfg.prefill_mode,
+        self.model.prefill(ids, st, self.engine.cfg.prefill_mode,
                            chunk_size=self.engine.cfg.prefill_chunk)
         return save_session(self.model, self.engine.store, key, st, self.engine.fingerprint)
 
