@@ -240,10 +240,11 @@ def plot(res: dict, path) -> bool:
                         textcoords="offset points", xytext=(4, 4))
     ts = sorted({(r["context"], r.get("target", 1.0)) for r in res["rows"]})
     ax.step([c for c, _ in ts], [t for _, t in ts], where="mid", color="#888888", linestyle="--",
-            label="target")
+            label="target (CED / HF)")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("context tokens")
-    ax.set_ylabel("CED-small / HF Llama decode tokens/s")
+    ax.set_ylabel("CED-small / HF Llama decode tokens/s (log)")
     ax.set_title("Decode vs HF transformers (equal parameters)")
     ax.legend(fontsize=8)
     fig.tight_layout()
