@@ -66,6 +66,9 @@ class Rope(torch.nn.Module):
         cos, sin = self.cos_sin(pos)
         while cos.dim() < x.dim():            # insert head dims between T and the pair dim
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        fast = _fast_rotate(x, cos)
+        if fast is not None:                  # the same operations, compiled (rope.h)
+            return fast(x, cos, sin, _heads(x, cos), inverse)
         if inverse:
             sin = -sin
         nope, rot = x[..., :-r], x[..., -r:]
@@ -73,3 +76,28 @@ class Rope(torch.nn.Module):
         a, b = pairs[..., 0], pairs[..., 1]
         out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
         return torch.cat((nope, out.to(x.dtype)), dim=-1)
+
+
+def _heads(x: torch.Tensor, cos: torch.Tensor) -> int:
+    """Rows of x per angle row: 1 when cos covers every row of x, x's head count when cos has a
+    broadcast head dim of 1; 0 for any other broadcast (the reference path handles it)."""
+    if cos.shape[:-1] == x.shape[:-1]:
+        return 1
+    if x.dim() >= 2 and cos.shape[:-2] == x.shape[:-2] and cos.shape[-2] == 1:
+        return x.shape[-2]
+    return 0
+
+
+def _fast_rotate(x: torch.Tensor, cos: torch.Tensor):
+    """The compiled rotation (cedlm/quant/csrc/rope.h, the same float32 operations as the lines
+    below it in `Rope.apply`, bit-identical) for float32 CPU inference, else None: training
+    (autograd), other dtypes, unusual broadcasts and the reference switch
+    (CEDLM_REFERENCE_KERNELS=1) run the readable torch path."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        return None
+    if torch.is_grad_enabled() and x.requires_grad:
+        return None
+    if not _heads(x, cos):
+        return None
+    from cedlm.quant.fast import ext_op
+    return ext_op("rope_rotate")

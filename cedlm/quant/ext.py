@@ -30,7 +30,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "codecs.cpp"
 BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "cedlm_ext"
 # No -ffast-math, no FP contraction, no -march=native (the build may be copied to another CPU).
 CFLAGS = ["-O3", "-fno-fast-math", "-ffp-contract=off", "-fno-finite-math-only"]
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 def _stamp() -> str:

@@ -34,9 +34,10 @@
 #include <limits>
 #if defined(__SSE2__) && !defined(CEDLM_CODECS_SCALAR)
 #include <emmintrin.h>     // baseline on x86-64: no dispatch, no -march needed
+#endif
 
 #include "mhc.h"            // mHC mixes (not a codec; one module keeps the build to one unit)
-#endif
+#include "rope.h"           // RoPE rotation (likewise)
 
 namespace {
 
@@ -322,7 +323,33 @@ std::vector<torch::Tensor> mhc_mixes(torch::Tensor m, torch::Tensor base, torch:
   return {pre, post, comb};
 }
 
-int64_t abi_version() { return 3; }
+// RoPE of x [..., dim] (float32, contiguous; P * heads rows) by angles cos/sin [P, r/2]
+// (float32, contiguous): the `heads` consecutive rows of a position share its angle row.
+torch::Tensor rope_rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+                          bool inverse) {
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+              x.device().is_cpu(), "rope_rotate: x must be a contiguous float32 CPU tensor");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.numel() == sin.numel() &&
+              cos.dim() >= 1, "rope_rotate: cos/sin must be contiguous float32 of one shape");
+  const int64_t dim = x.size(-1), half = cos.size(-1), r = 2 * half;
+  TORCH_CHECK(heads > 0 && r <= dim && dim > 0, "rope_rotate: bad sizes");
+  const int64_t rows = x.numel() / dim, P = rows / heads;
+  TORCH_CHECK(P * heads == rows && cos.numel() == P * half, "rope_rotate: ", rows, " rows of x do "
+              "not match ", cos.numel() / std::max<int64_t>(half, 1), " angle rows x ", heads, " heads");
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, P, std::max<int64_t>(1, 16384 / std::max<int64_t>(heads * dim, 1)),
+                   [&](int64_t p0, int64_t p1) {
+    cedlm_rope::rotate(xp, cp, sp, op, p0, p1, heads, dim, r, inverse);
+  });
+  return out;
+}
+
+int64_t abi_version() { return 4; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_tables", &set_tables);
@@ -330,5 +357,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode);
   m.def("quant_dequant", &quant_dequant);
   m.def("mhc_mixes", &mhc_mixes);
+  m.def("rope_rotate", &rope_rotate);
   m.def("abi_version", &abi_version);
 }
