@@ -22,6 +22,7 @@ import torch
 from cedlm.kv_layout import KVLayout
 from cedlm.model.state import SequenceState
 from cedlm.quant import decode, encode
+from cedlm.quant.fast import reference_kernels
 
 BIG = 1 << 62    # "never visible" end position of padding entries
 
@@ -136,10 +137,34 @@ class ByteKVCache(_Stash):
 
     # ---------------------------------------------------------------- windows
     def window(self, layer, kv, pos):
+        if not reference_kernels():
+            return self._window_batched(layer, kv, pos)
         olds = [st.window_before(layer, int(pos[b, 0])) for b, st in enumerate(self.states)]
         for b, st in enumerate(self.states):
             st.window_write(layer, kv[b], pos[b])
         return self._cat_padded(olds, kv, pos)
+
+    def _window_batched(self, layer, kv, pos):
+        """`window` for every sequence at once (the fast path; same result as the per-sequence
+        `window_before` + `_cat_padded` above, which stays the reference): the rings are stacked,
+        each row's entries older than its first position are sorted by position with the others
+        in front, the last W columns (W = the most any row keeps) are gathered, decoded in one
+        call, and the front padding set to zero keys at position -1."""
+        B = len(self.states)
+        lay = self.layout
+        rpos = torch.stack([st.window_pos[layer] for st in self.states])           # [B, slots]
+        ring = torch.stack([st.window[layer] for st in self.states])               # [B, slots, wb]
+        keep = (rpos >= 0) & (rpos < pos[:, :1])
+        key = torch.where(keep, rpos, -1)
+        W = int(keep.sum(1).max())
+        sel = torch.argsort(key, dim=1)[:, key.shape[1] - W:]                       # [B, W]
+        kpos_old = torch.gather(key, 1, sel)
+        rows = torch.gather(ring, 1, sel.unsqueeze(-1).expand(-1, -1, ring.shape[-1]))
+        old = decode(rows.reshape(B * W, ring.shape[-1]), lay.window_fmt, lay.window_dim).view(B, W, lay.window_dim)
+        old = torch.where((kpos_old >= 0).unsqueeze(-1), old, 0.0)
+        for b, st in enumerate(self.states):
+            st.window_write(layer, kv[b], pos[b])
+        return torch.cat((old, kv.float()), 1), torch.cat((kpos_old, pos), 1)
 
     def push_stash(self, layer, kv, pos):
         # The ring rows older than this call, read before this call's rows overwrite them: the
