@@ -178,8 +178,11 @@ def _component_stages(summary: dict) -> list[str]:
               f"`cedlm train vision`: a {s['vision_params']:,}-parameter ViT and aligner trained with the text "
               f"model frozen, on scikit-learn's digits and words rendered with Pillow. Held out: digits "
               f"{_val(s.get('vision_digits_heldout_acc'))} ({s.get('vision_digits_heldout_n')} images), words "
-              f"{_val(s.get('vision_words_heldout_acc'))} ({s.get('vision_words_heldout_n')} images): it tells some "
-              "digits apart and cannot read words."]
+              f"{_val(s.get('vision_words_heldout_acc'))} ({s.get('vision_words_heldout_n')} images)"
+              + (f", after {s['vision_runs']} runs (commands above)" if s.get("vision_runs") else "")
+              + (": it reads handwritten digits and cannot read words."
+                 if (s.get("vision_digits_heldout_acc") or 0) >= 0.9 else
+                 ": it tells some digits apart and cannot read words.")]
     return L
 
 

@@ -42,10 +42,13 @@ def vision_defaults():
 
 
 def extend_with_vision(model, tokenizer, vc, seed: int = 0):
-    """A copy of the text model with a fresh vision tower (text weights copied, strict)."""
-    from cedlm.config.vision import with_vision
+    """A copy of the text model with a fresh vision tower (text weights copied, strict). A model
+    that already has a tower of the same config is returned as it is, so a run can continue one."""
+    from cedlm.config.vision import vision_config_of, vision_enabled, with_vision
     from cedlm.model import CEDModel
     from cedlm.text.special_tokens import IMAGE_TOKEN
+    if vision_enabled(model.cfg) and vision_config_of(model.cfg) == vc:
+        return model
     image_id = tokenizer.special_ids[IMAGE_TOKEN]
     cfg = with_vision(model.cfg, vc, image_id)
     torch.manual_seed(seed)
@@ -255,7 +258,9 @@ def _run(args) -> int:
                 "_shared": {n: getattr(model, n).detach().clone()
                             for n in ("image_start", "image_newline", "image_end")}}, out / "anchors.pt")
     checkpoint({"phase": "anchors_done", "steps": na, "elapsed_s": round(time.monotonic() - t0, 1)})
-    if args.codes:
+    if args.regress_frac <= 0:           # continuing a trained tower: straight to phase C
+        nr = 0
+    elif args.codes:
         nr = train_codes(model, anchors["digits"], args.regress_frac * budget, 128, 3e-3, log, rng)
     else:
         nr = train_regression(model, anchors, args.regress_frac * budget, 128, args.lr, log, rng)
