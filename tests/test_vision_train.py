@@ -103,3 +103,19 @@ def test_cli_help(capsys):
         main(["train", "vision", "--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "--init" in out and "--minutes" in out
+
+
+def test_extend_keeps_an_existing_tower(setup):
+    """A run can continue a trained tower: a model that already has one of the same config is
+    returned as it is (weights untouched); another config builds a fresh tower."""
+    import dataclasses
+
+    from cedlm.config.vision import vision_config_of
+    from cedlm.train.vision import extend_with_vision
+    _, vlm, tok, _ = setup
+    vc = vision_config_of(vlm.cfg)
+    before = vlm.aligner.w2.weight.detach().clone()
+    assert extend_with_vision(vlm, tok, vc) is vlm
+    assert torch.equal(vlm.aligner.w2.weight, before)
+    other = extend_with_vision(vlm, tok, dataclasses.replace(vc, hidden_size=48))
+    assert other is not vlm and vision_config_of(other.cfg).hidden_size == 48

@@ -48,12 +48,15 @@ def extend_with_vision(model, tokenizer, vc, seed: int = 0):
     from cedlm.model import CEDModel
     from cedlm.text.special_tokens import IMAGE_TOKEN
     if vision_enabled(model.cfg) and vision_config_of(model.cfg) == vc:
+        torch.manual_seed(seed)
         return model
     image_id = tokenizer.special_ids[IMAGE_TOKEN]
     cfg = with_vision(model.cfg, vc, image_id)
     torch.manual_seed(seed)
     vlm = CEDModel(cfg)
-    missing, unexpected = vlm.load_state_dict(model.state_dict(), strict=False)
+    text_sd = {k: v for k, v in model.state_dict().items()          # a tower of another config
+               if not k.startswith(("vision.", "aligner.", "image_"))}  # is replaced, not loaded
+    missing, unexpected = vlm.load_state_dict(text_sd, strict=False)
     bad = [k for k in missing if not k.startswith(("vision.", "aligner.", "image_"))]
     if bad or unexpected:
         raise ValueError(f"vision: text weights do not match ({bad[:3]} missing, {unexpected[:3]} unexpected)")
