@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cedlm.config import ModelConfig
+from cedlm.quant.fast import reference_kernels
 
 
 class Expert(nn.Module):
@@ -78,6 +79,8 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                   # [N, D]
         w, ids = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
+        if x.shape[0] == 1 and not self.training and not reference_kernels():
+            return self._one_token(x, w, ids).to(x.dtype).reshape(shape)
         out = torch.zeros_like(x, dtype=torch.float32)
         counts = torch.bincount(ids.flatten(), minlength=len(self.experts))
         if self.training:
@@ -89,6 +92,17 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).float()
         return out.to(x.dtype).reshape(shape)
+
+    def _one_token(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed loop above for a single token (batch-1 decode), without the grouping ops
+        (bincount, nonzero, where, index, index_add_): its k experts in ascending id order, each
+        output added to a zero row as index_add_ adds it, so the result is bit-identical."""
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e, j in sorted((e, j) for j, e in enumerate(ids[0].tolist())):
+            out += self.experts[e](x).float() * w[:, j:j + 1]
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x).float()
+        return out
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """Dense reference: every expert on every token, combined by the routing weights."""
