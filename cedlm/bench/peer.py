@@ -10,6 +10,8 @@ DynamicCache filled by `update`; CED: common.synth_ced_state); decode cost depen
 Throughput = B x new tokens / wall time, median of repeats. Swept over contexts 512, 2k, 8k and 32k
 at batch 1 and 8 (issue 9's targets: CED >= 1x HF up to 8k, >= 3x at 32k; `--quick`: 512 only).
 Each context has its own target in `targets`; `target` is the worst point relative to its own.
+`ttft`: first-token latency of one 1k-token prompt at batch 1 against the same HF model (no
+target; `--quick`: 256 tokens).
 
 transformers is an optional extra: when it is absent the figure is skipped with a message, unless
 --install-peer is given: then it pip-installs TRANSFORMERS_PIN into the running interpreter
@@ -142,6 +144,39 @@ def _pair(ctx: Ctx, tf, hf, ced, B: int, C: int, new: int, reps: int) -> dict:
     return r
 
 
+TTFT_PROMPT = 1024
+
+
+def _ttft(ctx: Ctx, hf, ced, S: int, reps: int) -> dict:
+    """First-token latency of one S-token prompt, batch 1: HF `generate(max_new_tokens=1)` from
+    an empty cache (its prefill, SDPA) vs CED's engine default, a `bounded` prefill in chunks of
+    512 tokens into a fresh state plus the argmax. Medians of `reps`, the two interleaved."""
+    ids = torch.randint(1, ced.cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(ctx.seed))
+    mask = torch.ones_like(ids)
+
+    def hf_first():
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, min_new_tokens=1,
+                          do_sample=False, use_cache=True)
+        assert out.shape == (1, S + 1)
+
+    def ced_first():
+        int(ced.prefill(ids[0], ced.new_state(), "bounded", chunk_size=512)[-1].argmax())
+    with torch.no_grad():
+        hf_first()
+        ced_first()                                                  # warm-up
+        t_hf, t_ced = [], []
+        for _ in range(reps):
+            t_hf += measure(hf_first, 1, 0)
+            t_ced += measure(ced_first, 1, 0)
+    h, c = stats(t_hf), stats(t_ced)
+    r = {"prompt_tokens": S, "batch": 1, "ced_s": c["median_s"], "hf_s": h["median_s"],
+         "ced_over_hf": c["median_s"] / h["median_s"], "spread": max(c["spread"], h["spread"]),
+         "ced_mode": "bounded, chunks of 512 (the engine default)"}
+    ctx.log(f"  first token after {S} prompt tokens: CED {r['ced_s'] * 1e3:.0f} ms, "
+            f"HF {r['hf_s'] * 1e3:.0f} ms ({r['ced_over_hf']:.2f}x the time)")
+    return r
+
+
 def run(ctx: Ctx) -> dict:
     contexts = ctx.size([512, 2048, 8192, 32768], [512])
     new = ctx.size(16, 3)
@@ -163,6 +198,7 @@ def run(ctx: Ctx) -> dict:
         reps = ctx.size(5 if C <= 8192 else 3, 1)
         for B in batches:
             rows.append(_pair(ctx, tf, hf, ced, B, C, new, reps))
+    ttft = _ttft(ctx, hf, ced, ctx.size(TTFT_PROMPT, 256), ctx.size(5, 1))
     # the figure's target: the worst point relative to its own target (1x to 8k, 3x at 32k)
     worst_row = min(rows, key=lambda r: r["ratio"] / r["target"])
     targets = {}
@@ -197,6 +233,7 @@ def run(ctx: Ctx) -> dict:
                    "caches": "built directly with random values (both sides)",
                    "targets_by_context": {str(c): TARGETS.get(c, 1.0) for c in contexts}},
         "rows": rows,
+        "ttft": ttft,
         "targets": targets,
         "target": target("CED / HF decode tokens/s, worst point over contexts and batches, "
                          "relative to its target (1x to 8k, 3x at 32k)", ">=", 1.0,
@@ -223,7 +260,12 @@ def table(res: dict) -> str:
                       "CED / HF", "target", "met", "spread"], body)
             + f"\n\nParameters: CED-small {c['ced_params_without_engram_tables']:,} without Engram "
               f"tables ({c['ced_params_total']:,} with); HF Llama {c['hf_params']:,} "
-              f"({c['hf_config']}); {c['transformers']}.")
+              f"({c['hf_config']}); {c['transformers']}."
+            + (f"\n\nFirst-token latency, one {res['ttft']['prompt_tokens']:,}-token prompt, batch 1 "
+               f"(medians): CED {res['ttft']['ced_s'] * 1e3:.0f} ms ({res['ttft']['ced_mode']}), "
+               f"HF {res['ttft']['hf_s'] * 1e3:.0f} ms (`generate` from an empty cache): CED takes "
+               f"{res['ttft']['ced_over_hf']:.2f}x HF's time (spread {res['ttft']['spread']:.2f})."
+               if res.get("ttft") else ""))
 
 
 def plot(res: dict, path) -> bool:
