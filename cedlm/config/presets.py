@@ -91,6 +91,30 @@ def small40() -> ModelConfig:
         dspark_n_routed_experts=8, dspark_num_experts_per_tok=2, image_token_id=None)
 
 
+def retrieval() -> ModelConfig:
+    """A purpose-built small retrieval model (issue 11): the CSA2 roles of `small` (SWA layers, an
+    encoder Full + Reuse group of ratio 2, a decoder led by the ratio-1 global-KV source, which
+    is also the candidate source, then Reindex and Reuse layers; Engram, mHC, MoE, a DSpark tap)
+    at width 128 and 8 layers, with a short window (32) and a small top-k (16) with a candidate
+    pool of 8 blocks of 4. At 256-1024 tokens most compressed entries are then NOT selected, so
+    retrieval beyond the window depends on what the lightning indexer selects. Cheap enough to
+    train on a CPU (FIDELITY.md, "Retrieval on a model that can retrieve")."""
+    return _scaled(
+        vocab_size=4096, hidden_size=128, moe_intermediate_size=128, num_hidden_layers=8,
+        num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=64,
+        o_groups=2, rms_norm_eps=1e-6, n_routed_experts=4, num_experts_per_tok=2,
+        sliding_window=32,
+        compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1, 0],
+        kv_source_layer_ids=[2, 4], index_source_layer_ids=[2, 4, 6],
+        index_n_heads=4, index_head_dim=32, index_topk=16,
+        candidate_source_layer_id=4, candidate_topk_blocks=8, candidate_block_size=4,
+        hc_mult=2, engram_layer_ids=[1], engram_max_ngram_size=3, engram_vocab_size=10007,
+        engram_n_heads=2, engram_head_dim=16, engram_compressed_vocab_size=4096,
+        num_nextn_predict_layers=1, dspark_block_size=3, dspark_noise_token_id=4095,
+        dspark_target_layer_ids=[7], dspark_markov_rank=16, dspark_n_routed_experts=4,
+        dspark_num_experts_per_tok=2, image_token_id=None)
+
+
 # The width of `small40` (everything but the layer schedule and the KV geometry).
 _SMALL_WIDTH = dict(vocab_size=4096, hidden_size=256, moe_intermediate_size=128, num_attention_heads=4,
                     q_lora_rank=128, o_lora_rank=128, o_groups=2, rms_norm_eps=1e-6, n_routed_experts=8,
@@ -115,6 +139,7 @@ PRESETS = {
     "tiny": tiny,
     "small": small,
     "small40": small40,
+    "retrieval": retrieval,
     "small40-v4flash": small40_v4flash,
     "deepseek-v4.1-flash": _official("deepseek-v4.1-flash"),
     "deepseek-v4-flash": _official("deepseek-v4-flash"),

@@ -18,6 +18,10 @@ records and queries are tokenised on their own and spliced in between corpus tok
 - `training_sequence` builds one training sequence of `seq_len + 1` tokens with several
   records and, after each at a distance of at least `min_gap` tokens, its query and answer; the
   answer positions are returned as a mask (for an answer loss and answer accuracy).
+- `repeat_sequence` builds one training sequence of corpus text in which a stretch recurs
+  verbatim further on: every token of the copy after its first can be predicted by copying from
+  the context (an induction pattern), the skill the retrieval items need, with far more signal
+  per sequence than a few answer tokens.
 """
 from __future__ import annotations
 
@@ -117,3 +121,23 @@ def training_sequence(rng: np.random.Generator, tokens: np.ndarray, tokenizer, s
     out, m = np.concatenate(ids), np.concatenate(mask)
     assert len(out) == L
     return out, m
+
+
+def repeat_sequence(rng: np.random.Generator, tokens: np.ndarray, seq_len: int, min_span: int = 8,
+                    max_span: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """seq_len + 1 tokens of corpus text in which a stretch of min_span..max_span tokens (at most a
+    third of the sequence) recurs verbatim later, at any distance. Returns (ids int64
+    [seq_len + 1], copy mask bool [seq_len + 1], True on the repeated tokens)."""
+    L = seq_len + 1
+    hi = min(max_span, L // 3)
+    if hi < max(1, min_span):
+        raise ValueError(f"seq_len: {seq_len} is too short for a repeated stretch of {min_span} tokens")
+    span = int(rng.integers(max(1, min_span), hi + 1))
+    fill = _filler(rng, tokens, L - span)
+    src = int(rng.integers(0, L - 2 * span + 1))           # the stretch fill[src: src + span] ...
+    at = int(rng.integers(src + span, L - span + 1))        # ... recurs at `at`, after its end
+    out = np.concatenate((fill[:at], fill[src: src + span], fill[at:]))
+    mask = np.zeros(L, dtype=bool)
+    mask[at: at + span] = True
+    assert len(out) == L
+    return out, mask

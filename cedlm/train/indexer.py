@@ -18,6 +18,13 @@ a finished run (the distilled indexer without the run's continued training of th
    text carrying passkey / key-value retrieval items (`cedlm.data.retrieval`); the indexer
    trains on the KL over its selected entries. The indexer's inputs are detached and its
    selection passes no gradient, so each loss reaches only its own weights.
+   With `--selection dense` this phase selects every visible entry instead (the attention of the
+   evaluation's dense reference; the indexer's KL is then over every visible entry): it trains a
+   model to retrieve before its indexer is distilled (`--kl-weight 0` keeps the indexer at its
+   initialisation), e.g. the `retrieval` preset of FIDELITY.md's "Retrieval on a model that can
+   retrieve". `--repeat-fraction` mixes in sequences whose text repeats a stretch of itself
+   (`cedlm.data.retrieval.repeat_sequence`): copying from context is what retrieval needs, and
+   such sequences teach it with far more signal than a few answer tokens.
 
 Per step, metrics.jsonl gets: the losses, the KL per index layer, the top-k recall of attention
 mass per index layer (share of the dense attention mass over every visible entry that lands on
@@ -41,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from cedlm import checkpoint as ckpt_io
-from cedlm.data.retrieval import training_sequence
+from cedlm.data.retrieval import repeat_sequence, training_sequence
 from cedlm.data.tokens import token_cache
 from cedlm.model.probe import IndexerProbe, distill_kl, topk_recall
 from cedlm.train.stage import flag_adder
@@ -66,11 +73,16 @@ def set_trainable(model, indexer_only: bool) -> None:
 
 def batch_of(rng, tokens, tok, a) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x [B, S], y [B, S], answer mask of y [B, S]): a --retrieval-fraction share of the
-    sequences carries --items retrieval items, the others are plain corpus windows."""
+    sequences carries --items retrieval items, a --repeat-fraction share repeats a stretch of its
+    text (`repeat_sequence`; no answer tokens), the others are plain corpus windows."""
     xs, ms = [], []
     for _ in range(a.batch_size):
-        if rng.random() < a.retrieval_fraction:
+        r = rng.random()
+        if r < a.retrieval_fraction:
             ids, m = training_sequence(rng, tokens, tok, a.seq_len, a.items, a.min_gap)
+        elif r < a.retrieval_fraction + a.repeat_fraction:
+            ids = repeat_sequence(rng, tokens, a.seq_len)[0]
+            m = np.zeros(a.seq_len + 1, bool)
         else:
             s = int(rng.integers(0, len(tokens) - a.seq_len - 1))
             ids, m = np.asarray(tokens[s: s + a.seq_len + 1], dtype=np.int64), np.zeros(a.seq_len + 1, bool)
@@ -79,14 +91,24 @@ def batch_of(rng, tokens, tok, a) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return t[:, :-1], t[:, 1:], m[:, 1:]
 
 
-def step(model, opt, x, y, ans, a, sparse: bool, lr_main: float, lr_idx: float) -> dict:
-    """One optimizer step of either phase -> its metrics."""
+def phase_name(whole: bool, dense: bool) -> str:
+    """'dense' (the warm-up: indexer only), 'sparse' (whole model, sparse selection) or
+    'whole-dense' (whole model, every visible entry selected: --selection dense)."""
+    return ("whole-dense" if dense else "sparse") if whole else "dense"
+
+
+def step(model, opt, x, y, ans, a, whole: bool, lr_main: float, lr_idx: float,
+         dense: bool | None = None) -> dict:
+    """One optimizer step of either phase -> its metrics. `whole`: the whole model trains on the
+    LM loss too (phase 2); `dense`: every visible entry is selected (default: in the warm-up
+    only)."""
+    dense = not whole if dense is None else dense
     for g in opt.param_groups:
         g["lr"] = lr_idx if g["name"] == "indexer" else lr_main
-    probe = IndexerProbe(dense=not sparse)
+    probe = IndexerProbe(dense=dense)
     logits = model(x, probe=probe)
-    kl, per_layer = distill_kl(probe, sparse=sparse)
-    rec = {"phase": "sparse" if sparse else "dense", "kl": kl.item(),
+    kl, per_layer = distill_kl(probe, sparse=not dense)
+    rec = {"phase": phase_name(whole, dense), "kl": kl.item(),
            **{f"kl_{l}": v for l, v in per_layer.items()},
            **{f"recall_{l}": v for l, v in topk_recall(probe, model.cfg.index_topk).items()}}
     with torch.no_grad():
@@ -96,7 +118,7 @@ def step(model, opt, x, y, ans, a, sparse: bool, lr_main: float, lr_idx: float) 
             rec["answer_loss"] = ce[ans].mean().item()
             rec["answer_acc"] = (logits.argmax(-1) == y)[ans].float().mean().item()
     loss = a.kl_weight * kl
-    if sparse:
+    if whole:
         lm = ce_loss(logits, y, ans, a.answer_weight)
         loss = loss + lm
     loss.backward()
@@ -158,6 +180,9 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: --init: {e}", file=sys.stderr)
         return 2
+    if not (0 <= args.repeat_fraction and args.retrieval_fraction + args.repeat_fraction <= 1):
+        print("error: --retrieval-fraction + --repeat-fraction must be within [0, 1]", file=sys.stderr)
+        return 2
     if model.cfg.arch != "ced" or not model.cfg.index_source_layer_ids:
         print("error: --init: the model has no lightning indexer to train", file=sys.stderr)
         return 2
@@ -182,17 +207,18 @@ def run(args: argparse.Namespace) -> int:
         from tqdm import tqdm
         bar = tqdm(total=total, desc="train indexer", dynamic_ncols=True)
     t0 = time.time()
-    cost = {"dense": {"steps": 0, "tokens": 0, "wall_s": 0.0}, "sparse": {"steps": 0, "tokens": 0, "wall_s": 0.0}}
+    cost = {p: {"steps": 0, "tokens": 0, "wall_s": 0.0}
+            for p in ("dense", phase_name(True, args.selection == "dense"))}
     model.train()
     for i in range(total):
-        sparse = i >= args.warmup_steps
-        j = i - args.warmup_steps if sparse else i
-        set_trainable(model, indexer_only=not sparse)
+        whole = i >= args.warmup_steps                     # phase 2: the whole model trains
+        j = i - args.warmup_steps if whole else i
+        set_trainable(model, indexer_only=not whole)
         ts = time.time()
         x, y, ans = batch_of(rng, tokens, tok, args)
-        if sparse:
+        if whole:
             rec = step(model, opt, x, y, ans, args, True, lr_at(j, args.steps, args.lr, args.lr_warmup),
-                       lr_at(j, args.steps, args.indexer_lr, 1))
+                       lr_at(j, args.steps, args.indexer_lr, 1), dense=args.selection == "dense")
             update_moe_bias(model, args.bias_update_rate, 1)
         else:
             rec = step(model, opt, x, y, ans, args, False, 0.0, lr_at(j, args.warmup_steps, args.indexer_lr, 1))
@@ -270,12 +296,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--batch-size", type=int, default=1, help="sequences per step (default 1)")
     a("--warmup-steps", type=int, default=20, help="dense warm-up steps, indexer only (default 20)")
     a("--steps", type=int, default=200, help="sparse steps, whole model (default 200)")
+    a("--selection", choices=("sparse", "dense"), default="sparse",
+      help="selection of the whole-model steps: sparse (index_topk and the candidate pool, as the "
+      "model runs; default) or dense (every visible entry, as the evaluation's reference)")
     a("--lr", type=float, default=2e-4, help="peak lr of the main model (default 2e-4)")
     a("--lr-warmup", type=int, default=10, help="linear lr warm-up of the sparse phase (default 10)")
     a("--indexer-lr", type=float, default=1e-3, help="peak lr of the indexer (default 1e-3)")
     a("--kl-weight", type=float, default=1.0, help="weight of the distillation KL (default 1)")
     a("--answer-weight", type=float, default=1.0, help="LM loss weight of retrieval answer tokens (default 1)")
     a("--retrieval-fraction", type=float, default=0.5, help="share of sequences with retrieval items (default 0.5)")
+    a("--repeat-fraction", type=float, default=0.0, help="share of sequences whose text repeats a "
+      "stretch of itself further on, to learn copying from context (default 0)")
     a("--items", type=int, default=6, help="retrieval items per such sequence (default 6)")
     a("--min-gap", type=int, default=128, help="least tokens between a record and its query (default 128)")
     a("--weight-decay", type=float, default=0.1)
