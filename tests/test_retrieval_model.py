@@ -131,3 +131,19 @@ def test_indexer_stage_repeat_fraction_is_checked(tiny, tmp_path, capsys):
     rc = main(["train", "indexer", "--init", str(tmp_path / "init"), "--out", str(tmp_path / "run"),
                "--retrieval-fraction", "0.8", "--repeat-fraction", "0.5", "--no-progress"])
     assert rc == 2 and "--repeat-fraction" in capsys.readouterr().err
+
+
+def test_repeat_sequence_random_kind():
+    """kind="random": tokens drawn independently from the corpus, with one stretch copied later."""
+    import numpy as np
+    from cedlm.data.retrieval import repeat_sequence
+    tokens = np.arange(100_000, dtype=np.int64)
+    rng = np.random.Generator(np.random.PCG64(1))
+    ids, m = repeat_sequence(rng, tokens, 256, kind="random")
+    at, n = int(np.argmax(m)), int(m.sum())
+    copy = ids[at: at + n]
+    assert not np.all(np.diff(np.concatenate((ids[:at], ids[at + n:]))) == 1)   # not a text stretch
+    src = int(np.flatnonzero(ids[:at] == copy[0])[0])
+    assert np.array_equal(ids[src: src + n], copy)
+    with pytest.raises(ValueError, match="repeat kind"):
+        repeat_sequence(rng, tokens, 256, kind="nope")

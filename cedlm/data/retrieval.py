@@ -124,16 +124,20 @@ def training_sequence(rng: np.random.Generator, tokens: np.ndarray, tokenizer, s
 
 
 def repeat_sequence(rng: np.random.Generator, tokens: np.ndarray, seq_len: int, min_span: int = 8,
-                    max_span: int = 64) -> tuple[np.ndarray, np.ndarray]:
+                    max_span: int = 64, kind: str = "text") -> tuple[np.ndarray, np.ndarray]:
     """seq_len + 1 tokens of corpus text in which a stretch of min_span..max_span tokens (at most a
-    third of the sequence) recurs verbatim later, at any distance. Returns (ids int64
-    [seq_len + 1], copy mask bool [seq_len + 1], True on the repeated tokens)."""
+    third of the sequence) recurs verbatim later, at any distance. kind "random": the tokens are
+    drawn independently from the corpus (no text to predict them by, only the copy). Returns (ids
+    int64 [seq_len + 1], copy mask bool [seq_len + 1], True on the repeated tokens)."""
+    if kind not in ("text", "random"):
+        raise ValueError(f"repeat kind: {kind!r} is not 'text' or 'random'")
     L = seq_len + 1
     hi = min(max_span, L // 3)
     if hi < max(1, min_span):
         raise ValueError(f"seq_len: {seq_len} is too short for a repeated stretch of {min_span} tokens")
     span = int(rng.integers(max(1, min_span), hi + 1))
-    fill = _filler(rng, tokens, L - span)
+    fill = (_filler(rng, tokens, L - span) if kind == "text" else
+            np.asarray(tokens[rng.integers(0, len(tokens), L - span)], dtype=np.int64))
     src = int(rng.integers(0, L - 2 * span + 1))           # the stretch fill[src: src + span] ...
     at = int(rng.integers(src + span, L - span + 1))        # ... recurs at `at`, after its end
     out = np.concatenate((fill[:at], fill[src: src + span], fill[at:]))

@@ -81,7 +81,7 @@ def batch_of(rng, tokens, tok, a) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         if r < a.retrieval_fraction:
             ids, m = training_sequence(rng, tokens, tok, a.seq_len, a.items, a.min_gap)
         elif r < a.retrieval_fraction + a.repeat_fraction:
-            ids = repeat_sequence(rng, tokens, a.seq_len)[0]
+            ids = repeat_sequence(rng, tokens, a.seq_len, kind=a.repeat_kind)[0]
             m = np.zeros(a.seq_len + 1, bool)
         else:
             s = int(rng.integers(0, len(tokens) - a.seq_len - 1))
@@ -307,6 +307,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--retrieval-fraction", type=float, default=0.5, help="share of sequences with retrieval items (default 0.5)")
     a("--repeat-fraction", type=float, default=0.0, help="share of sequences whose text repeats a "
       "stretch of itself further on, to learn copying from context (default 0)")
+    a("--repeat-kind", choices=("text", "random"), default="text", help="what the repeating "
+      "sequences hold: corpus text (default) or tokens drawn independently from the corpus, which "
+      "only a copy predicts")
     a("--items", type=int, default=6, help="retrieval items per such sequence (default 6)")
     a("--min-gap", type=int, default=128, help="least tokens between a record and its query (default 128)")
     a("--weight-decay", type=float, default=0.1)
