@@ -29,7 +29,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cedlm.train.export import PARTS
 from cedlm.train.stage import flag_adder
+
+TOWER = PARTS["vision"]        # the tower's name prefixes: vision.*, aligner.*, image_*
 
 NAME = "vision"
 
@@ -55,9 +58,9 @@ def extend_with_vision(model, tokenizer, vc, seed: int = 0):
     torch.manual_seed(seed)
     vlm = CEDModel(cfg)
     text_sd = {k: v for k, v in model.state_dict().items()          # a tower of another config
-               if not k.startswith(("vision.", "aligner.", "image_"))}  # is replaced, not loaded
+               if not k.startswith(TOWER)}                             # is replaced, not loaded
     missing, unexpected = vlm.load_state_dict(text_sd, strict=False)
-    bad = [k for k in missing if not k.startswith(("vision.", "aligner.", "image_"))]
+    bad = [k for k in missing if not k.startswith(TOWER)]
     if bad or unexpected:
         raise ValueError(f"vision: text weights do not match ({bad[:3]} missing, {unexpected[:3]} unexpected)")
     vlm.engram_token_map.copy_(model.engram_token_map)
@@ -70,7 +73,7 @@ def extend_with_vision(model, tokenizer, vc, seed: int = 0):
 def freeze_text(model) -> list:
     """Only the tower trains: `vision.*`, `aligner.*`, `image_*`; returns those parameters."""
     for n, p in model.named_parameters():
-        p.requires_grad_(n.startswith(("vision.", "aligner.", "image_")))
+        p.requires_grad_(n.startswith(TOWER))
     return [p for p in model.parameters() if p.requires_grad]
 
 
