@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from cedlm.bench.common import GIB, Ctx, md_table, plt, target
+from cedlm.bench.common import GIB, Ctx, md_table, plt, save_plot, target
 
 NAME = "capacity"
 TITLE = "Sequences that fit a fixed KV budget"
@@ -177,7 +177,4 @@ def plot(res: dict, path) -> bool:
     ax.set_ylabel("sequences that fit (log)")
     ax.set_title(f"Sequences in a {res['config']['budget_bytes'] / GIB:g} GiB KV budget (small presets)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
-    return True
+    return save_plot(pyplot, fig, path)

@@ -283,6 +283,14 @@ def target(metric: str, op: str, value: float, measured: float | None, note: str
             "note": note}
 
 
+def save_plot(pyplot, fig, path) -> bool:
+    """Every figure's last step: lay out, write `path` (110 dpi), free the figure; True."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot.close(fig)
+    return True
+
+
 def plt():
     """matplotlib.pyplot with the Agg backend, or None when matplotlib is absent."""
     try:

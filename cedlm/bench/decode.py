@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from cedlm.bench.common import Ctx, md_table, measure, plt, stats, synth_ced_state, synth_twin_state, target
+from cedlm.bench.common import (Ctx, md_table, measure, plt, save_plot,
+                               stats, synth_ced_state, synth_twin_state, target)
 from cedlm.bench.profiling import profile_call
 
 NAME = "decode"
@@ -118,7 +119,4 @@ def plot(res: dict, path) -> bool:
     ax.set_ylim(bottom=0)
     ax.set_title("Decode step time vs context")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
-    return True
+    return save_plot(pyplot, fig, path)

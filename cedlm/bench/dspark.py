@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from cedlm.bench.common import Ctx, md_table, plt, target
+from cedlm.bench.common import Ctx, md_table, plt, save_plot, target
 
 NAME = "dspark"
 TITLE = "DSpark speculative decoding"
@@ -190,7 +190,4 @@ def plot(res: dict, path) -> bool:
     ax.set_ylim(0, 1)
     ax.set_title("DSpark acceptance by position (greedy)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
-    return True
+    return save_plot(pyplot, fig, path)

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from cedlm.bench.common import Ctx, md_table, plt, target
+from cedlm.bench.common import Ctx, md_table, plt, save_plot, target
 from cedlm.bench.profiling import profile_call
 
 NAME = "formats"
@@ -228,7 +228,4 @@ def plot(res: dict, path) -> bool:
     ax.set_ylabel("GB/s of encoded bytes (log)")
     ax.set_title(f"Codec throughput vs memcpy (target: fast >= {TARGET}x memcpy)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
-    return True
+    return save_plot(pyplot, fig, path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from cedlm.bench.common import Ctx, md_table, plt, target
+from cedlm.bench.common import Ctx, md_table, plt, save_plot, target
 from cedlm.config import ModelConfig
 
 NAME = "kv_bytes"
@@ -124,7 +124,4 @@ def plot(res: dict, path) -> bool:
         ax.text(v, i, f" {v:,.0f}" if v >= 1000 else f" {v:g}", va="center", fontsize=7)
     ax.set_xlabel("global KV bytes per token (log)")
     ax.set_title("KV bytes per token: official configs (grey, planner) and small presets (blue, allocated)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
-    return True
+    return save_plot(pyplot, fig, path)

@@ -29,7 +29,8 @@ import tempfile
 
 import torch
 
-from cedlm.bench.common import Ctx, md_table, measure, plt, stats, synth_ced_state, target
+from cedlm.bench.common import (Ctx, md_table, measure, plt, save_plot,
+                               stats, synth_ced_state, target)
 
 NAME = "peer"
 TITLE = "Decode throughput vs HF transformers"
@@ -289,7 +290,4 @@ def plot(res: dict, path) -> bool:
     ax.set_ylabel("CED-small / HF Llama decode tokens/s (log)")
     ax.set_title("Decode vs HF transformers (equal parameters)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
-    return True
+    return save_plot(pyplot, fig, path)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from cedlm.bench.common import Ctx, md_table, measure, plt, stats, target
+from cedlm.bench.common import Ctx, md_table, measure, plt, save_plot, stats, target
 from cedlm.bench.profiling import profile_call
 
 NAME = "prefill"
@@ -20,8 +20,16 @@ CHUNK = 512
 LENGTHS = [8192, 32768]                 # issue 9: <= 0.55 at 8k and at 32k
 
 
-def _one_length(ctx: Ctx, ced, twin, S: int, reps: int) -> tuple[list, dict, dict]:
-    ids = torch.randint(0, ced.cfg.vocab_size, (S,), generator=torch.Generator().manual_seed(ctx.seed))
+def _prompt(ctx: Ctx, vocab: int, S: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (S,), generator=torch.Generator().manual_seed(ctx.seed))
+
+
+def _repeats(ctx: Ctx, S: int) -> int:
+    return ctx.size(5 if S <= 8192 else 2, 1)                   # a 32k twin prefill takes minutes
+
+
+def _one_length(ctx: Ctx, ced, twin, S: int) -> tuple[list, dict, dict]:
+    ids = _prompt(ctx, ced.cfg.vocab_size, S)
     calls = {
         "twin": lambda st: twin.prefill(ids, st),
         "ced_bounded": lambda st: ced.prefill(ids, st, "bounded", chunk_size=CHUNK),
@@ -29,7 +37,7 @@ def _one_length(ctx: Ctx, ced, twin, S: int, reps: int) -> tuple[list, dict, dic
     }
     setups = {"twin": twin.new_state, "ced_bounded": ced.new_state, "ced_exact": ced.new_state}
     res = {name: [] for name in calls}
-    for _ in range(reps):                                        # interleave modes per repeat
+    for _ in range(_repeats(ctx, S)):                            # interleave modes per repeat
         for name, fn in calls.items():
             res[name] += measure(fn, 1, 0, setups[name])
             ctx.log(f"  prefill {S} {name}: {res[name][-1]:.2f} s")
@@ -45,13 +53,12 @@ def _one_length(ctx: Ctx, ced, twin, S: int, reps: int) -> tuple[list, dict, dic
 def run(ctx: Ctx) -> dict:
     lengths = ctx.size(LENGTHS, [2048])
     ced, twin = ctx.ced(), ctx.twin()
-    warm = torch.randint(0, ced.cfg.vocab_size, (256,), generator=torch.Generator().manual_seed(ctx.seed))
+    warm = _prompt(ctx, ced.cfg.vocab_size, 256)
     ced.prefill(warm, ced.new_state(), "bounded", chunk_size=CHUNK)
     twin.prefill(warm, twin.new_state())
     rows, runs, targets, notes = [], {}, {}, []
     for S in lengths:
-        reps = ctx.size(5 if S <= 8192 else 2, 1)                # a 32k twin prefill takes minutes
-        r, res, st = _one_length(ctx, ced, twin, S, reps)
+        r, res, st = _one_length(ctx, ced, twin, S)
         rows += r
         runs[str(S)] = res
         tw = st["twin"]["median_s"]
@@ -61,8 +68,8 @@ def run(ctx: Ctx) -> dict:
     worst = max(targets.values(), key=lambda t: t["measured"])
     S0 = lengths[0]
     out = {
-        "config": {"prompt_tokens": S0, "lengths": lengths, "repeats": {str(S): ctx.size(
-                       5 if S <= 8192 else 2, 1) for S in lengths}, "ced_chunk": CHUNK,
+        "config": {"prompt_tokens": S0, "lengths": lengths, "repeats": {str(S): _repeats(ctx, S) for S in lengths},
+                   "ced_chunk": CHUNK,
                    "decoder_rows_bounded": {str(S): ced.decoder_rows(S, "bounded") for S in lengths},
                    "decoder_rows_exact": {str(S): ced.decoder_rows(S, "exact") for S in lengths},
                    "weights": "random (seeded); timing does not depend on values"},
@@ -74,7 +81,7 @@ def run(ctx: Ctx) -> dict:
         "notes": notes,
     }
     if ctx.profile and not out["target"]["met"]:
-        ids = torch.randint(0, ced.cfg.vocab_size, (S0,), generator=torch.Generator().manual_seed(ctx.seed))
+        ids = _prompt(ctx, ced.cfg.vocab_size, S0)
         out["profile"] = {
             "ced_bounded": profile_call(lambda: ced.prefill(ids, ced.new_state(), "bounded",
                                                             chunk_size=CHUNK)),
@@ -104,7 +111,4 @@ def plot(res: dict, path) -> bool:
                     fontsize=8)
         ax.set_ylabel("seconds (median)")
         ax.set_title(f"Prefill of a {S:,}-token prompt")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
-    return True
+    return save_plot(pyplot, fig, path)

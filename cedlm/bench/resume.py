@@ -25,7 +25,8 @@ import tempfile
 
 import torch
 
-from cedlm.bench.common import Ctx, md_table, measure, plt, stats, synth_ced_state, target
+from cedlm.bench.common import (Ctx, md_table, measure, plt, save_plot,
+                               stats, synth_ced_state, target)
 
 NAME = "resume"
 TITLE = "Persistence and resume"
@@ -176,7 +177,4 @@ def plot(res: dict, path) -> bool:
         b.text(i, r["median_s"], f"{r['median_s']:.2f} s", ha="center", va="bottom", fontsize=8)
     b.set_ylabel("seconds (log)")
     b.set_title(f"Resume a {res['config']['context']:,}-token session")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot.close(fig)
-    return True
+    return save_plot(pyplot, fig, path)
