@@ -54,6 +54,28 @@ def wait_healthy(base: str, alive, timeout: float, poll: float) -> bool:
         time.sleep(poll)
 
 
+def run_indexer_stage(model, tok, tmp_path, *flags: str) -> tuple[int, list[dict]]:
+    """`cedlm train indexer` on a tiny model saved to tmp_path/init, with the repository's README
+    as its corpus and 128-token sequences, plus `flags`; -> (exit code, metrics.jsonl records of
+    tmp_path/run)."""
+    import json
+    from pathlib import Path
+
+    from cedlm.checkpoint import save_checkpoint
+    from cedlm.cli import main
+    save_checkpoint(tmp_path / "init", model, tok)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.txt").write_text((Path(__file__).resolve().parents[1] / "README.md")
+                                    .read_text(encoding="utf-8"))
+    rc = main(["train", "indexer", "--init", str(tmp_path / "init"), "--out", str(tmp_path / "run"),
+               "--data", str(data), "--seq-len", "128", "--items", "1", "--min-gap", "16",
+               "--no-progress", *flags])
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    recs = [json.loads(l) for l in metrics.read_text().splitlines()] if metrics.exists() else []
+    return rc, recs
+
+
 def _ping(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:

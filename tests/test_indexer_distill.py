@@ -15,6 +15,7 @@ from cedlm.engine.loader import load_any
 from cedlm.eval.fidelity import Measurement, REFERENCE, Setting, reference, variant_model
 from cedlm.model.probe import IndexerProbe, distill_kl, topk_recall
 from cedlm.quant import bytes_per_entry, decode, encode, quant_dequant
+from conftest import run_indexer_stage  # noqa: E402  (the suite's helper)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,15 +145,8 @@ def test_bf16_format_round_trips():
 def test_indexer_stage_trains_and_saves(tiny, tmp_path):
     from cedlm.cli import main
     model, tok = tiny
-    save_checkpoint(tmp_path / "init", model, tok)
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "train.txt").write_text((REPO / "README.md").read_text(encoding="utf-8"))
-    rc = main(["train", "indexer", "--init", str(tmp_path / "init"), "--out", str(tmp_path / "run"),
-               "--data", str(data), "--seq-len", "128", "--warmup-steps", "2", "--steps", "1",
-               "--items", "1", "--min-gap", "16", "--no-progress"])
+    rc, recs = run_indexer_stage(model, tok, tmp_path, "--warmup-steps", "2", "--steps", "1")
     assert rc == 0
-    recs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in recs] == ["dense", "dense", "sparse"]
     assert all(any(k.startswith("recall_") for k in r) for r in recs)
     trained, _ = load_model(tmp_path / "run")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +15,7 @@ from cedlm.engine.loader import load_any
 from cedlm.eval.fidelity import DENSE, Setting, variant_model
 from cedlm.model import build_model
 from cedlm.train.indexer import indexer_params, step
-
-REPO = Path(__file__).resolve().parents[1]
+from conftest import run_indexer_stage  # noqa: E402  (the suite's helper)
 
 
 @pytest.fixture(scope="module")
@@ -80,19 +78,11 @@ def test_dense_selection_trains_the_model_on_every_visible_entry(tiny):
 
 
 def test_indexer_stage_selection_dense_flag(tiny, tmp_path):
-    from cedlm.cli import main
     model, tok = tiny
-    save_checkpoint(tmp_path / "init", model, tok)
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "train.txt").write_text((REPO / "README.md").read_text(encoding="utf-8"))
-    rc = main(["train", "indexer", "--init", str(tmp_path / "init"), "--out", str(tmp_path / "run"),
-               "--data", str(data), "--seq-len", "128", "--warmup-steps", "0", "--steps", "2",
-               "--selection", "dense", "--kl-weight", "0", "--items", "1", "--min-gap", "16",
-               "--retrieval-fraction", "0.5", "--repeat-fraction", "0.5",
-               "--no-progress"])
+    rc, recs = run_indexer_stage(model, tok, tmp_path, "--warmup-steps", "0", "--steps", "2",
+                                 "--selection", "dense", "--kl-weight", "0",
+                                 "--retrieval-fraction", "0.5", "--repeat-fraction", "0.5")
     assert rc == 0
-    recs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in recs] == ["whole-dense", "whole-dense"]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["cost"]["whole-dense"]["steps"] == 2
