@@ -68,7 +68,8 @@ class Rope(torch.nn.Module):
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         fast = _fast_rotate(x, cos)
         if fast is not None:                  # the same operations, compiled (rope.h)
-            return fast(x, cos, sin, _heads(x, cos), inverse)
+            op, heads = fast
+            return op(x, cos, sin, heads, inverse)
         if inverse:
             sin = -sin
         nope, rot = x[..., :-r], x[..., -r:]
@@ -89,15 +90,17 @@ def _heads(x: torch.Tensor, cos: torch.Tensor) -> int:
 
 
 def _fast_rotate(x: torch.Tensor, cos: torch.Tensor):
-    """The compiled rotation (cedlm/quant/csrc/rope.h, the same float32 operations as the lines
-    below it in `Rope.apply`, bit-identical) for float32 CPU inference, else None: training
-    (autograd), other dtypes, unusual broadcasts and the reference switch
-    (CEDLM_REFERENCE_KERNELS=1) run the readable torch path."""
+    """(the compiled rotation, rows of x per angle row) for float32 CPU inference, else None.
+    The kernel (cedlm/quant/csrc/rope.h) does the same float32 operations as the lines below it
+    in `Rope.apply`, bit-identical; training (autograd), other dtypes, unusual broadcasts and the
+    reference switch (CEDLM_REFERENCE_KERNELS=1) run the readable torch path."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
         return None
     if torch.is_grad_enabled() and x.requires_grad:
         return None
-    if not _heads(x, cos):
+    heads = _heads(x, cos)
+    if not heads:
         return None
     from cedlm.quant.fast import ext_op
-    return ext_op("rope_rotate")
+    op = ext_op("rope_rotate")
+    return None if op is None else (op, heads)
