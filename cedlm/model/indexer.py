@@ -34,9 +34,22 @@ def stable_topk(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     tie often (at 0); a length-independent rule keeps incremental decode equal to the full
     forward. Returns (indices, values) of the k best.
     """
+    fast = _fast_op("stable_topk", score)
+    if fast is not None:
+        ids, vals = fast(score, k)
+        return ids, vals
     N = score.shape[-1]
     vals, order = torch.sort(score.flip(-1), dim=-1, descending=True, stable=True)
     return (N - 1 - order[..., :k]), vals[..., :k]
+
+
+def _fast_op(name: str, *tensors: torch.Tensor):
+    """The compiled kernel `name` (cedlm/quant/csrc/index.h) for float32 CPU inference, else None:
+    autograd and the reference switch (CEDLM_REFERENCE_KERNELS=1) run the readable torch path."""
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.requires_grad for t in tensors):
+        return None
+    from cedlm.quant.fast import ext_op
+    return ext_op(name)
 
 
 def candidate_pool(score: torch.Tensor, n_visible: torch.Tensor, block: int, topk_blocks: int
@@ -108,16 +121,33 @@ class Indexer(nn.Module):
         s = torch.einsum("bthn,bth->btn", s, w)
         return s.masked_fill(~visible, NEG)
 
+    def score_cached(self, q: torch.Tensor, w: torch.Tensor, cache: KVCache, visible: torch.Tensor
+                     ) -> torch.Tensor:
+        """`score` against the KV source's cached keys. Fast path: the compiled kernel reads the
+        packed FP4/FP8 keys directly (decoded tile by tile inside the score, no decoded copy of
+        the cache; same math as `score`, float32 rounding apart); reference: decode every key with
+        the codec (`KVCache.index_keys`), then `score`."""
+        packed = cache.index_bytes(self.keys_src)
+        if packed is not None:
+            from cedlm.quant.fast import ext_format
+            raw, _, fmt = packed
+            kind = ext_format(fmt)
+            fast = _fast_op("index_score", q, w)
+            if fast is not None and kind is not None and raw.shape[-2] > 0:
+                return fast(q.contiguous(), w.contiguous(), raw, visible.contiguous(), *kind)
+        keys, _ = cache.index_keys(self.keys_src)
+        return self.score(q, w, keys, visible)
+
     # ---------------------------------------------------------------- selection
     def select(self, qr: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, cache: KVCache):
         """Top-k entries of the KV source for this layer's queries -> (idx [B,T,k], valid
         [B,T,k]), published in the pass's selection for the Reuse layers that follow."""
         cfg, pos, sel = self.cfg, batch.positions, batch.selection
-        keys, ends = cache.index_keys(self.keys_src)
+        ends = cache.entry_ends(self.keys_src)
         visible = ends.unsqueeze(1) <= pos.unsqueeze(-1)                      # [B, T, N]
         q, w = self.queries(qr.detach(), x.detach())
         q = store_round(self.rope.apply(q, pos.unsqueeze(-1)), cfg.index_kv_format, self.training)
-        raw = score = self.score(q, w, keys, visible)
+        raw = score = self.score_cached(q, w, cache, visible)
         cand = cfg.candidate_source_layer_id
         if self.layer_id == cand:
             sel.pool = candidate_pool(score.detach(), visible.sum(-1), cfg.candidate_block_size,

@@ -4,7 +4,8 @@ Attention, the compressor and the indexer read and write caches only through `KV
 - window rows: `window` (write this pass's rows, get the keys visible to it) and, for the
   global-KV source whose rows are written in the encoder pass and read in the decoder pass,
   `push_stash` / `global_window`;
-- compressed entries of a KV-source layer: `add_entries`, `entry_ends`, `index_keys`, and the
+- compressed entries of a KV-source layer: `add_entries`, `entry_ends`, `index_keys` (or, for
+  the indexer's fused scoring, the packed keys themselves: `index_bytes`), and the
   main KV as every entry (`all_kv`, the dense reference) or only the selected ones (`gather_kv`);
 - the compressor's pending rows (`pending`, `set_pending`) and the token history Engram needs.
 
@@ -38,6 +39,7 @@ class KVCache(Protocol):
     def add_entries(self, src: int, b: int, kv: torch.Tensor, idx: torch.Tensor | None) -> None: ...
     def entry_ends(self, src: int) -> torch.Tensor: ...
     def index_keys(self, src: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def index_bytes(self, src: int) -> tuple[torch.Tensor, torch.Tensor, object] | None: ...
     def all_kv(self, src: int) -> torch.Tensor: ...
     def gather_kv(self, src: int, idx: torch.Tensor) -> torch.Tensor: ...
     def history(self, first_pos: list[int], n: int) -> list[list[int]]: ...
@@ -113,6 +115,9 @@ class TrainingKVCache(_Stash):
             self._idx[src] = (self._stack(src, "idx"), self.entry_ends(src))
         return self._idx[src]
 
+    def index_bytes(self, src):
+        return None                               # fp32 rows of one call: no bytes to read
+
     def all_kv(self, src):
         return self._stack(src, "kv")
 
@@ -132,6 +137,7 @@ class ByteKVCache(_Stash):
         super().__init__(keep_from=keep_stash_from)
         self.layout, self.states = layout, states
         self._idx: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._idx_bytes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._kv_bytes: dict[int, torch.Tensor] = {}
         self._olds: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -208,6 +214,7 @@ class ByteKVCache(_Stash):
         if idx is not None:
             st.index[src].append(encode(idx, self.layout.row("idx", src).fmt))
         self._idx.pop(src, None)
+        self._idx_bytes.pop(src, None)
         self._kv_bytes.pop(src, None)
 
     def _counts(self, src):
@@ -216,12 +223,19 @@ class ByteKVCache(_Stash):
     def entry_ends(self, src):
         return _ends(self.layout.row("kv", src).ratio, self._counts(src))
 
+    def index_bytes(self, src):
+        """(packed index keys uint8 [B, N, entry bytes] (zero bytes past a sequence's entries),
+        ends [B, N], format): what `index_keys` decodes, for scoring straight from the bytes."""
+        if src not in self._idx_bytes:
+            ends = self.entry_ends(src)
+            raw = _padded([st.index[src].view() for st in self.states], ends.shape[1])
+            self._idx_bytes[src] = (raw, ends)
+        return (*self._idx_bytes[src], self.layout.row("idx", src).fmt)
+
     def index_keys(self, src):
         if src not in self._idx:
-            ends = self.entry_ends(src)
-            spec = self.layout.row("idx", src)
-            raw = _padded([st.index[src].view() for st in self.states], ends.shape[1])
-            self._idx[src] = (decode(raw, spec.fmt, spec.dim), ends)
+            raw, ends, fmt = self.index_bytes(src)
+            self._idx[src] = (decode(raw, fmt, self.layout.row("idx", src).dim), ends)
         return self._idx[src]
 
     def all_kv(self, src):

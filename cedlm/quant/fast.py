@@ -240,6 +240,17 @@ def ext_op(name: str):
     return getattr(_ext_module(), name, None)
 
 
+def ext_format(fmt) -> tuple[int, int] | None:
+    """(the extension's kind code, block) of a V4.1 KV format name or object, for the compiled
+    kernels that read packed entries themselves (e.g. the indexer's ``index_score``); None for a
+    format the extension does not decode (bf16, V4-Flash's fp8)."""
+    f = F.get_format(fmt)
+    if not isinstance(f, F.QuantFormat):
+        return None
+    kind = _EXT_KIND.get((f.name, f.element, f.scale), -1)
+    return None if kind < 0 else (kind, f.block)
+
+
 def active_backend() -> str:
     """What ``encode`` of a CPU V4.1-format tensor runs now: "reference", "ext" or "torch"."""
     if reference_kernels():

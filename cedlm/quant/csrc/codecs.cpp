@@ -38,6 +38,7 @@
 
 #include "mhc.h"            // mHC mixes (not a codec; one module keeps the build to one unit)
 #include "rope.h"           // RoPE rotation (likewise)
+#include "index.h"          // indexer scores from packed keys, stable top-k (likewise)
 
 namespace {
 
@@ -152,6 +153,25 @@ inline void classes(const float* x, uint32_t* cls, int64_t n, int64_t kind, floa
   }
 }
 
+// One entry's bytes -> dim float32 values (the reference decode of one row).
+inline void decode_row(const uint8_t* br, int64_t kind, int64_t dim, int64_t block, float* orow) {
+  const bool fp4 = kind != WINDOW_FP8;
+  const int64_t tiles = dim / block, nd = fp4 ? dim / 2 : dim;
+  for (int64_t k = 0; k < tiles; ++k) {
+    const float s = scale_value(kind, br[nd + k]);
+    float* o = orow + k * block;
+    if (fp4) {
+      const uint8_t* d = br + k * (block / 2);
+      int64_t* o64 = reinterpret_cast<int64_t*>(o);
+      for (int64_t j = 0; j < block / 2; ++j) o64[j] = T.e2m1_pair[d[j]];
+      for (int64_t j = 0; j < block; ++j) o[j] = o[j] * s;   // E2M1 values are never NaN
+    } else {
+      const uint8_t* d = br + k * block;
+      for (int64_t j = 0; j < block; ++j) o[j] = mul_q_s(T.e4m3[d[j]], s);
+    }
+  }
+}
+
 void check_tables() {
   TORCH_CHECK(T.e2m1_code != nullptr, "cedlm codec extension: set_tables() was not called");
 }
@@ -161,6 +181,17 @@ void check_input(const at::Tensor& x, int64_t block) {
               "cedlm codec extension: expected a contiguous float32 CPU matrix");
   TORCH_CHECK(block > 0 && block <= MAX_BLOCK && block % 2 == 0 && x.size(1) % block == 0,
               "cedlm codec extension: bad block");
+}
+
+// packed entries: uint8 [..., data + scales] with contiguous bytes, of `dim` values each
+void check_entries(const at::Tensor& b, int64_t kind, int64_t dim, int64_t block) {
+  TORCH_CHECK(b.dtype() == at::kByte && b.dim() >= 1 && b.stride(-1) == 1 && b.device().is_cpu(),
+              "cedlm codec extension: expected uint8 CPU rows with contiguous bytes");
+  TORCH_CHECK(kind >= KV_FP4 && kind <= WINDOW_FP8, "cedlm codec extension: bad format kind");
+  TORCH_CHECK(block > 0 && block <= MAX_BLOCK && block % 2 == 0 && dim % block == 0,
+              "cedlm codec extension: bad block");
+  const int64_t nd = kind != WINDOW_FP8 ? dim / 2 : dim;
+  TORCH_CHECK(b.size(-1) == nd + dim / block, "cedlm codec extension: bad entry size");
 }
 
 int64_t grain(int64_t dim) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(dim, 1)); }
@@ -232,35 +263,15 @@ at::Tensor encode(at::Tensor x, int64_t kind, int64_t block) {
 // b: uint8 [rows, nbytes] (rows may be strided, bytes contiguous) -> float32 [rows, dim]
 at::Tensor decode(at::Tensor b, int64_t kind, int64_t dim, int64_t block) {
   check_tables();
-  TORCH_CHECK(b.dtype() == at::kByte && b.dim() == 2 && b.stride(1) == 1 && b.device().is_cpu(),
-              "cedlm codec extension: expected uint8 CPU rows with contiguous bytes");
-  TORCH_CHECK(block > 0 && block <= MAX_BLOCK && block % 2 == 0 && dim % block == 0);
-  const int64_t rows = b.size(0), tiles = dim / block;
-  const bool fp4 = kind != WINDOW_FP8;
-  const int64_t nd = fp4 ? dim / 2 : dim;
-  TORCH_CHECK(b.size(1) == nd + tiles, "cedlm codec extension: bad entry size");
+  TORCH_CHECK(b.dim() == 2, "cedlm codec extension: expected uint8 rows");
+  check_entries(b, kind, dim, block);
+  const int64_t rows = b.size(0);
   at::Tensor out = at::empty({rows, dim}, b.options().dtype(at::kFloat));
   const uint8_t* B = b.data_ptr<uint8_t>();
   const int64_t rs = b.stride(0);
   float* O = out.data_ptr<float>();
   at::parallel_for(0, rows, grain(dim), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* br = B + r * rs;
-      float* orow = O + r * dim;
-      for (int64_t k = 0; k < tiles; ++k) {
-        const float s = scale_value(kind, br[nd + k]);
-        float* o = orow + k * block;
-        if (fp4) {
-          const uint8_t* d = br + k * (block / 2);
-          int64_t* o64 = reinterpret_cast<int64_t*>(o);
-          for (int64_t j = 0; j < block / 2; ++j) o64[j] = T.e2m1_pair[d[j]];
-          for (int64_t j = 0; j < block; ++j) o[j] = o[j] * s;   // E2M1 values are never NaN
-        } else {
-          const uint8_t* d = br + k * block;
-          for (int64_t j = 0; j < block; ++j) o[j] = mul_q_s(T.e4m3[d[j]], s);
-        }
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) decode_row(B + r * rs, kind, dim, block, O + r * dim);
   });
   return out;
 }
@@ -349,7 +360,74 @@ torch::Tensor rope_rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
   return out;
 }
 
-int64_t abi_version() { return 4; }
+// Indexer scores from packed keys (index.h): q [B, T, H, D], w [B, T, H] float32 contiguous;
+// keys uint8 [B, N, entry bytes] (bytes contiguous); visible bool [B, T, N] -> float32 [B, T, N].
+torch::Tensor index_score(torch::Tensor q, torch::Tensor w, torch::Tensor keys,
+                          torch::Tensor visible, int64_t kind, int64_t block) {
+  check_tables();
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32 && q.is_contiguous() &&
+              w.dim() == 3 && w.scalar_type() == torch::kFloat32 && w.is_contiguous() &&
+              q.device().is_cpu() && w.device().is_cpu(),
+              "index_score: q [B,T,H,D] and w [B,T,H] must be contiguous float32 CPU tensors");
+  const int64_t B = q.size(0), Tq = q.size(1), H = q.size(2), D = q.size(3);
+  TORCH_CHECK(w.size(0) == B && w.size(1) == Tq && w.size(2) == H, "index_score: w shape");
+  TORCH_CHECK(D % 4 == 0 && D <= cedlm_index::MAX_DIM, "index_score: head dim ", D);
+  TORCH_CHECK(keys.dim() == 3 && keys.size(0) == B, "index_score: keys must be [B, N, bytes]");
+  check_entries(keys, kind, D, block);
+  const int64_t N = keys.size(1);
+  TORCH_CHECK(visible.scalar_type() == torch::kBool && visible.is_contiguous() &&
+              visible.dim() == 3 && visible.size(0) == B && visible.size(1) == Tq &&
+              visible.size(2) == N, "index_score: visible must be a contiguous bool [B, T, N]");
+  auto out = torch::empty({B, Tq, N}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const uint8_t* kp = keys.data_ptr<uint8_t>();
+  const uint8_t* vp = reinterpret_cast<const uint8_t*>(visible.data_ptr<bool>());
+  float* op = out.data_ptr<float>();
+  const int64_t ks0 = keys.stride(0), ks1 = keys.stride(1);
+  const int64_t tiles = (N + cedlm_index::KEY_TILE - 1) / cedlm_index::KEY_TILE;
+  const cedlm_index::TileFn tile = cedlm_index::pick_tile(D);
+  // work items: (sequence, tile of keys); each writes its own columns of out
+  at::parallel_for(0, B * tiles, std::max<int64_t>(1, 64 / std::max<int64_t>(Tq, 1)),
+                   [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / tiles, n0 = (i % tiles) * cedlm_index::KEY_TILE;
+      const int64_t n1 = std::min(n0 + cedlm_index::KEY_TILE, N);
+      const uint8_t* kb = kp + b * ks0;
+      cedlm_index::score_rows(qp + b * Tq * H * D, wp + b * Tq * H, vp + b * Tq * N,
+                              op + b * Tq * N, Tq, H, D, N, n0, n1, tile,
+                              [&](int64_t n, float* dst) { decode_row(kb + n * ks1, kind, D, block, dst); });
+    }
+  });
+  return out;
+}
+
+// The k best of each row of score [..., N] float32 under the indexer's tie rule (index.h)
+// -> (indices int64 [..., k], values float32 [..., k]).
+std::vector<torch::Tensor> stable_topk(torch::Tensor score, int64_t k) {
+  TORCH_CHECK(score.dim() >= 1 && score.scalar_type() == torch::kFloat32 &&
+              score.device().is_cpu(), "stable_topk: score must be a float32 CPU tensor");
+  const int64_t N = score.size(-1);
+  TORCH_CHECK(k >= 0 && k <= N, "stable_topk: k=", k, " outside [0, ", N, "]");
+  auto s = score.contiguous();
+  const int64_t R = N ? s.numel() / N : 0;
+  auto shape = s.sizes().vec();
+  shape.back() = k;
+  auto idx = torch::empty(shape, s.options().dtype(torch::kInt64));
+  auto val = torch::empty(shape, s.options());
+  const float* sp = s.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  float* vp = val.data_ptr<float>();
+  at::parallel_for(0, R, std::max<int64_t>(1, 65536 / std::max<int64_t>(N, 1)),
+                   [&](int64_t r0, int64_t r1) {
+    std::vector<int64_t> order;
+    for (int64_t r = r0; r < r1; ++r)
+      cedlm_index::topk_row(sp + r * N, N, k, ip + r * k, vp + r * k, order);
+  });
+  return {idx, val};
+}
+
+int64_t abi_version() { return 5; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_tables", &set_tables);
@@ -358,5 +436,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequant", &quant_dequant);
   m.def("mhc_mixes", &mhc_mixes);
   m.def("rope_rotate", &rope_rotate);
+  m.def("index_score", &index_score);
+  m.def("stable_topk", &stable_topk);
   m.def("abi_version", &abi_version);
 }
