@@ -420,9 +420,9 @@ std::vector<torch::Tensor> stable_topk(torch::Tensor score, int64_t k) {
   float* vp = val.data_ptr<float>();
   at::parallel_for(0, R, std::max<int64_t>(1, 65536 / std::max<int64_t>(N, 1)),
                    [&](int64_t r0, int64_t r1) {
-    std::vector<int64_t> order;
+    std::vector<cedlm_index::Entry> heap;
     for (int64_t r = r0; r < r1; ++r)
-      cedlm_index::topk_row(sp + r * N, N, k, ip + r * k, vp + r * k, order);
+      cedlm_index::topk_row(sp + r * N, N, k, ip + r * k, vp + r * k, heap);
   });
   return {idx, val};
 }

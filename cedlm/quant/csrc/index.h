@@ -22,7 +22,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <numeric>
 #include <vector>
 #if defined(__SSE2__) && !defined(CEDLM_CODECS_SCALAR)
 #include <emmintrin.h>
@@ -181,22 +180,36 @@ void score_rows(const float* q, const float* w, const uint8_t* vis, float* out, 
   }
 }
 
-// The k best of row[0..N) under the reference's order -> idx[0..k), val[0..k).
+// The k best of row[0..N) under the reference's order -> idx[0..k), val[0..k): one pass keeping
+// the k best in a heap whose top is the worst of them, then the k sorted.
+struct Entry { float v; int64_t i; };
+
+inline bool before(const Entry& x, const Entry& y) {    // x comes first in the reference's output
+  const bool nx = std::isnan(x.v), ny = std::isnan(y.v);
+  if (nx != ny) return nx;                               // NaN sorts first (descending sort)
+  if (!nx && x.v != y.v) return x.v > y.v;
+  return x.i > y.i;                                      // equal (or both NaN): newest first
+}
+
 inline void topk_row(const float* row, int64_t N, int64_t k, int64_t* idx, float* val,
-                     std::vector<int64_t>& order) {
-  order.resize(N);
-  std::iota(order.begin(), order.end(), int64_t{0});
-  auto before = [row](int64_t i, int64_t j) {
-    const float a = row[i], b = row[j];
-    const bool na = std::isnan(a), nb = std::isnan(b);
-    if (na != nb) return na;                        // NaN sorts first (descending sort)
-    if (!na && a != b) return a > b;
-    return i > j;                                   // equal (or both NaN): newest first
-  };
-  std::partial_sort(order.begin(), order.begin() + k, order.end(), before);
-  for (int64_t i = 0; i < k; ++i) {
-    idx[i] = order[i];
-    val[i] = row[order[i]];
+                     std::vector<Entry>& heap) {
+  heap.clear();
+  if (k == 0) return;
+  for (int64_t i = 0; i < N; ++i) {
+    const Entry e{row[i], i};
+    if (static_cast<int64_t>(heap.size()) < k) {
+      heap.push_back(e);
+      std::push_heap(heap.begin(), heap.end(), before);
+    } else if (before(e, heap.front())) {
+      std::pop_heap(heap.begin(), heap.end(), before);
+      heap.back() = e;
+      std::push_heap(heap.begin(), heap.end(), before);
+    }
+  }
+  std::sort_heap(heap.begin(), heap.end(), before);     // a strict total order: one result
+  for (int64_t j = 0; j < k; ++j) {
+    idx[j] = heap[j].i;
+    val[j] = heap[j].v;
   }
 }
 
