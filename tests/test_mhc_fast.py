@@ -64,3 +64,28 @@ def test_training_and_the_reference_switch_use_the_torch_path(monkeypatch):
     monkeypatch.undo()
     with fast.reference_kernels_forced():
         assert fast.ext_op("mhc_mixes") is None
+
+
+@needs_ext
+@pytest.mark.parametrize("n,lead", [(4, (1, 1)), (4, (3, 5)), (2, (2, 7)), (1, (1, 3))])
+def test_fast_collapse_and_expand_match_reference(n, lead):
+    """The compiled collapse / expand (mhc.h) against the einsums of mhc.py: the same products,
+    summed over the n copies in index order, so float32 rounding apart (a few ulp)."""
+    g = torch.Generator().manual_seed(n + lead[1])
+    D = 64
+    x = torch.randn(*lead, n, D, generator=g)
+    pre = torch.rand(*lead, n, generator=g)
+    f = torch.randn(*lead, D, generator=g)
+    post = torch.rand(*lead, n, generator=g) * 2
+    comb = torch.rand(*lead, n, n, generator=g)
+    assert mhc._fast_op("mhc_collapse", x, pre) is not None
+    got = mhc.collapse(x, pre), mhc.expand(x, f, post, comb)
+    with fast.reference_kernels_forced():
+        assert mhc._fast_op("mhc_collapse", x, pre) is None
+        ref = mhc.collapse(x, pre), mhc.expand(x, f, post, comb)
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6), (a - b).abs().max().item()
+    xg = x.clone().requires_grad_(True)                     # autograd: the einsum path
+    assert mhc._fast_op("mhc_expand", xg, f, post, comb) is None
+    assert mhc._fast_op("mhc_collapse", x.bfloat16(), pre) is None

@@ -78,12 +78,24 @@ def _fast_mixes(*tensors: torch.Tensor):
     """The compiled mixes (cedlm/quant/csrc/mhc.h, same operations as the lines below it in
     `hc_mixes`) for inference on CPU, else None: training (autograd) and the reference switch
     (CEDLM_REFERENCE_KERNELS=1) run the readable torch path."""
+    return _fast("mhc_mixes", *tensors)
+
+
+def _fast_op(name: str, *tensors: torch.Tensor):
+    """The compiled collapse / expand (mhc.h: the sums of the einsum below each call, in index
+    order) for contiguous float32 CPU inference, else None (autograd, other dtypes, the switch)."""
+    if any(t.dtype != torch.float32 for t in tensors) or not tensors[0].is_contiguous():
+        return None
+    return _fast(name, *tensors)
+
+
+def _fast(name: str, *tensors: torch.Tensor):
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return None
     if any(t.device.type != "cpu" for t in tensors):
         return None
     from cedlm.quant.fast import ext_op
-    return ext_op("mhc_mixes")
+    return ext_op(name)
 
 
 def first_pre(x: torch.Tensor) -> torch.Tensor:
@@ -95,10 +107,19 @@ def first_pre(x: torch.Tensor) -> torch.Tensor:
 
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """[B,T,n,D], [B,T,n] -> [B,T,D]."""
+    fast = _fast_op("mhc_collapse", x, pre)
+    if fast is not None:
+        B, T, n, D = x.shape
+        return fast(x.reshape(-1, n, D), pre.reshape(-1, n).contiguous()).view(B, T, D)
     return torch.einsum("btnd,btn->btd", x.float(), pre).to(x.dtype)
 
 
 def expand(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """x'_j = post_j f + sum_i comb[i, j] x_i.  x [B,T,n,D], f [B,T,D] -> [B,T,n,D]."""
+    fast = _fast_op("mhc_expand", x, f, post, comb)
+    if fast is not None:
+        B, T, n, D = x.shape
+        return fast(x.reshape(-1, n, D), f.reshape(-1, D).contiguous(), post.reshape(-1, n).contiguous(),
+                    comb.reshape(-1, n, n).contiguous()).view(B, T, n, D)
     mixed = torch.einsum("btij,btid->btjd", comb, x.float())
     return (mixed + post.unsqueeze(-1) * f.float().unsqueeze(-2)).to(x.dtype)

@@ -1,6 +1,6 @@
 """The compiled extension (``csrc/codecs.cpp``, which includes ``csrc/mhc.h``, ``rope.h`` and
 ``index.h``): ahead-of-time build and load. It holds the KV codecs and, beside them, the mHC mixes
-of cedlm/model/mhc.py (``mhc_mixes``), the RoPE rotation of rope.py (``rope_rotate``) and the
+of cedlm/model/mhc.py (``mhc_mixes``, ``mhc_collapse``, ``mhc_expand``), the RoPE rotation of rope.py (``rope_rotate``) and the
 indexer's scores from packed keys and its top-k (``index_score``, ``stable_topk``; indexer.py),
 each reached through ``fast.ext_op``.
 
@@ -32,7 +32,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "codecs.cpp"
 BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "cedlm_ext"
 # No -ffast-math, no FP contraction, no -march=native (the build may be copied to another CPU).
 CFLAGS = ["-O3", "-fno-fast-math", "-ffp-contract=off", "-fno-finite-math-only"]
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 
 def _stamp() -> str:

@@ -334,6 +334,46 @@ std::vector<torch::Tensor> mhc_mixes(torch::Tensor m, torch::Tensor base, torch:
   return {pre, post, comb};
 }
 
+// mHC collapse / expand of R rows (mhc.h): x [R, n, D], pre [R, n] -> [R, D];
+// x [R, n, D], f [R, D], post [R, n], comb [R, n, n] -> [R, n, D]. float32, contiguous.
+torch::Tensor mhc_collapse(torch::Tensor x, torch::Tensor pre) {
+  TORCH_CHECK(x.dim() == 3 && pre.dim() == 2 && x.scalar_type() == torch::kFloat32 &&
+              pre.scalar_type() == torch::kFloat32 && x.is_contiguous() && pre.is_contiguous() &&
+              pre.size(0) == x.size(0) && pre.size(1) == x.size(1) && x.size(1) > 0,
+              "mhc_collapse: x [R, n, D] and pre [R, n] must be contiguous float32");
+  const int64_t R = x.size(0), n = x.size(1), D = x.size(2);
+  auto out = torch::empty({R, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* pp = pre.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R, std::max<int64_t>(1, 8192 / std::max<int64_t>(n * D, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) cedlm_mhc::collapse_row(xp + r * n * D, pp + r * n, n, D, op + r * D);
+  });
+  return out;
+}
+
+torch::Tensor mhc_expand(torch::Tensor x, torch::Tensor f, torch::Tensor post, torch::Tensor comb) {
+  TORCH_CHECK(x.dim() == 3 && f.dim() == 2 && post.dim() == 2 && comb.dim() == 3 &&
+              x.scalar_type() == torch::kFloat32 && f.scalar_type() == torch::kFloat32 &&
+              post.scalar_type() == torch::kFloat32 && comb.scalar_type() == torch::kFloat32 &&
+              x.is_contiguous() && f.is_contiguous() && post.is_contiguous() && comb.is_contiguous(),
+              "mhc_expand: contiguous float32 x [R, n, D], f [R, D], post [R, n], comb [R, n, n]");
+  const int64_t R = x.size(0), n = x.size(1), D = x.size(2);
+  TORCH_CHECK(n > 0 && f.size(0) == R && f.size(1) == D && post.size(0) == R && post.size(1) == n &&
+              comb.size(0) == R && comb.size(1) == n && comb.size(2) == n, "mhc_expand: shapes");
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* fp = f.data_ptr<float>();
+  const float* pp = post.data_ptr<float>();
+  const float* cp = comb.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R, std::max<int64_t>(1, 8192 / std::max<int64_t>(n * D, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      cedlm_mhc::expand_row(xp + r * n * D, fp + r * D, pp + r * n, cp + r * n * n, n, D, op + r * n * D);
+  });
+  return out;
+}
+
 // RoPE of x [..., dim] (float32, contiguous; P * heads rows) by angles cos/sin [P, r/2]
 // (float32, contiguous): the `heads` consecutive rows of a position share its angle row.
 torch::Tensor rope_rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads,
@@ -427,7 +467,7 @@ std::vector<torch::Tensor> stable_topk(torch::Tensor score, int64_t k) {
   return {idx, val};
 }
 
-int64_t abi_version() { return 5; }
+int64_t abi_version() { return 6; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_tables", &set_tables);
@@ -435,6 +475,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode);
   m.def("quant_dequant", &quant_dequant);
   m.def("mhc_mixes", &mhc_mixes);
+  m.def("mhc_collapse", &mhc_collapse);
+  m.def("mhc_expand", &mhc_expand);
   m.def("rope_rotate", &rope_rotate);
   m.def("index_score", &index_score);
   m.def("stable_topk", &stable_topk);

@@ -7,6 +7,9 @@
 //          iters - 1 rounds of row then column normalisation, each denominator + hc_eps.
 // Sums run in index order; exp is the C library's, so sigmoid and softmax may differ from
 // torch's vectorised exp in the last bit (tests/test_mhc_fast.py bounds the difference).
+// Below them, `collapse_row` and `expand_row`: the residual copies' read and write around each
+// sub-layer (mhc.py `collapse`, `expand`), sums in index order (the reference's einsum may sum in
+// another order: float32 rounding apart, same test).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -58,6 +61,34 @@ inline void mix_row(const float* m, const float* base, int64_t n, float a0, floa
   for (int64_t k = 0; k + 1 < iters; ++k) {
     row_norm();
     col_norm();
+  }
+}
+
+// collapse (mhc.py `collapse`) of one row: x [n, D], pre [n] -> out[d] = sum_i pre[i] x[i, d],
+// summed in i order.
+inline void collapse_row(const float* x, const float* pre, int64_t n, int64_t D, float* out) {
+  for (int64_t d = 0; d < D; ++d) out[d] = x[d] * pre[0];
+  for (int64_t i = 1; i < n; ++i) {
+    const float* xi = x + i * D;
+    const float p = pre[i];
+    for (int64_t d = 0; d < D; ++d) out[d] = out[d] + xi[d] * p;
+  }
+}
+
+// expand (mhc.py `expand`) of one row: x [n, D], f [D], post [n], comb [n, n] ->
+// out[j, d] = (sum_i comb[i, j] x[i, d]) + post[j] f[d], the sum in i order.
+inline void expand_row(const float* x, const float* f, const float* post, const float* comb,
+                       int64_t n, int64_t D, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    float* o = out + j * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = x[d] * comb[j];
+    for (int64_t i = 1; i < n; ++i) {
+      const float* xi = x + i * D;
+      const float c = comb[i * n + j];
+      for (int64_t d = 0; d < D; ++d) o[d] = o[d] + xi[d] * c;
+    }
+    const float pj = post[j];
+    for (int64_t d = 0; d < D; ++d) o[d] = o[d] + pj * f[d];
   }
 }
 
