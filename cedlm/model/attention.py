@@ -33,6 +33,13 @@ def attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool, re
     Returns [B, T, H, hd] fp32; with return_probs, also the probabilities of the compressed
     entries [B, H, T, N or k] (indexer distillation).
     """
+    fast = None if dense or return_probs else _fast_attend(q, win_k, comp_k, sink)
+    if fast is not None:
+        if comp_k is None:
+            B, T = q.shape[:2]
+            comp_k, comp_valid = q.new_empty(B, T, 0, q.shape[-1]), win_valid.new_empty(B, T, 0)
+        return fast(q.contiguous(), win_k.contiguous(), win_valid.contiguous(), comp_k.contiguous(),
+                    comp_valid.contiguous(), sink.detach().contiguous(), float(scale))
     qf = q.float()
     sw = torch.einsum("bthd,bwd->bhtw", qf, win_k.float()) * scale
     sw = sw.masked_fill(~win_valid.unsqueeze(1), NEG)
@@ -50,6 +57,19 @@ def attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool, re
         eq = "bhtn,bnd->bthd" if dense else "bhtn,btnd->bthd"
         out = out + torch.einsum(eq, p[..., W:-1], comp_k.float())
     return (out, p[..., W:-1]) if return_probs else out
+
+
+def _fast_attend(q, win_k, comp_k, sink):
+    """The compiled sparse attention (cedlm/quant/csrc/attend.h: the same softmax over [window ||
+    selected || sink], float32 rounding apart) for float32 CPU inference, else None: autograd,
+    other dtypes and the reference switch (CEDLM_REFERENCE_KERNELS=1) run the einsums below."""
+    ts = [q, win_k, sink] + ([] if comp_k is None else [comp_k])
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return None
+    from cedlm.quant.fast import ext_op
+    return ext_op("attend_sparse")
 
 
 class Attention(nn.Module):

@@ -1,8 +1,8 @@
-"""The compiled extension (``csrc/codecs.cpp``, which includes ``csrc/mhc.h``, ``rope.h`` and
-``index.h``): ahead-of-time build and load. It holds the KV codecs and, beside them, the mHC mixes
-of cedlm/model/mhc.py (``mhc_mixes``, ``mhc_collapse``, ``mhc_expand``), the RoPE rotation of rope.py (``rope_rotate``) and the
-indexer's scores from packed keys and its top-k (``index_score``, ``stable_topk``; indexer.py),
-each reached through ``fast.ext_op``.
+"""The compiled extension (``csrc/codecs.cpp``, which includes ``mhc.h``, ``rope.h``,
+``index.h`` and ``attend.h``): ahead-of-time build and load. It holds the KV codecs and, beside
+them, inference kernels each reached through ``fast.ext_op``: the mHC mixes, collapse and expand
+(cedlm/model/mhc.py), the RoPE rotation (rope.py), the indexer's scores read from packed keys and
+its top-k (indexer.py), and the sparse attention over [window || selected || sink] (attention.py).
 
     python -m cedlm.quant.ext build      # ./setup.sh runs this; about a minute of CPU (torch headers)
     python -m cedlm.quant.ext status     # built? stale? loadable?
@@ -32,7 +32,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "codecs.cpp"
 BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "cedlm_ext"
 # No -ffast-math, no FP contraction, no -march=native (the build may be copied to another CPU).
 CFLAGS = ["-O3", "-fno-fast-math", "-ffp-contract=off", "-fno-finite-math-only"]
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 
 def _stamp() -> str:

@@ -39,6 +39,7 @@
 #include "mhc.h"            // mHC mixes (not a codec; one module keeps the build to one unit)
 #include "rope.h"           // RoPE rotation (likewise)
 #include "index.h"          // indexer scores from packed keys, stable top-k (likewise)
+#include "attend.h"         // sparse attention over [window || selected || sink] (likewise)
 
 namespace {
 
@@ -467,7 +468,48 @@ std::vector<torch::Tensor> stable_topk(torch::Tensor score, int64_t k) {
   return {idx, val};
 }
 
-int64_t abi_version() { return 6; }
+// Sparse attention (attend.h): q [B, T, H, hd]; win [B, W, hd], win_valid bool [B, T, W];
+// comp [B, T, k, hd], comp_valid bool [B, T, k] (k may be 0); sink [H] -> [B, T, H, hd].
+torch::Tensor attend_sparse(torch::Tensor q, torch::Tensor win, torch::Tensor win_valid,
+                            torch::Tensor comp, torch::Tensor comp_valid, torch::Tensor sink,
+                            double scale) {
+  auto f32 = [](const torch::Tensor& t, int64_t dim) {
+    return t.dim() == dim && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu();
+  };
+  auto b8 = [](const torch::Tensor& t) {
+    return t.dim() == 3 && t.scalar_type() == torch::kBool && t.is_contiguous() && t.device().is_cpu();
+  };
+  TORCH_CHECK(f32(q, 4) && f32(win, 3) && f32(comp, 4) && f32(sink, 1) && b8(win_valid) &&
+              b8(comp_valid), "attend_sparse: contiguous float32 q, win, comp, sink and bool masks");
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), hd = q.size(3);
+  const int64_t W = win.size(1), K = comp.size(2);
+  TORCH_CHECK(hd % 4 == 0 && win.size(0) == B && win.size(2) == hd && sink.size(0) == H &&
+              win_valid.size(0) == B && win_valid.size(1) == T && win_valid.size(2) == W &&
+              comp.size(0) == B && comp.size(1) == T && comp.size(3) == hd &&
+              comp_valid.size(0) == B && comp_valid.size(1) == T && comp_valid.size(2) == K,
+              "attend_sparse: shapes");
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* wp = win.data_ptr<float>();
+  const float* cp = comp.data_ptr<float>();
+  const float* sp = sink.data_ptr<float>();
+  const uint8_t* wv = reinterpret_cast<const uint8_t*>(win_valid.data_ptr<bool>());
+  const uint8_t* cv = reinterpret_cast<const uint8_t*>(comp_valid.data_ptr<bool>());
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * T, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scratch(W + K + 1);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / T;
+      cedlm_attend::attend_row(qp + r * H * hd, H, hd, wp + b * W * hd, wv + r * W, W,
+                               cp + r * K * hd, cv + r * K, K, sp, sc, scratch.data(),
+                               op + r * H * hd);
+    }
+  });
+  return out;
+}
+
+int64_t abi_version() { return 7; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_tables", &set_tables);
@@ -480,5 +522,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_rotate", &rope_rotate);
   m.def("index_score", &index_score);
   m.def("stable_topk", &stable_topk);
+  m.def("attend_sparse", &attend_sparse);
   m.def("abi_version", &abi_version);
 }
