@@ -171,6 +171,21 @@ def measure(fn, repeats: int, warmup: int = 1, setup=None) -> list[float]:
     return times
 
 
+def measure_interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict:
+    """Seconds per run of each of `fns` (name -> callable), the runs taken round-robin (one of
+    each per round), so that a change of load on a shared machine during the measurement hits
+    every entry alike and their ratios stay fair. name -> list of seconds."""
+    times: dict = {k: [] for k in fns}
+    for i in range(warmup + repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times[k].append(dt)
+    return times
+
+
 def stats(times: list[float]) -> dict:
     """median, min, max and relative spread ((max-min)/median) of a list of seconds."""
     med = statistics.median(times)
