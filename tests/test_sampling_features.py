@@ -150,15 +150,24 @@ def test_allowed_token_ids_and_processors():
 
 
 # ============================================================================ prompt logprobs
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
 @pytest.mark.parametrize("mode", ["bounded", "exact"])
-def test_prompt_logprobs_equal_full_forward(tiny, mode):
+def test_prompt_logprobs_equal_full_forward(tiny, mode, kernels):
+    """The engine's chunked prefill scores the prompt like one full forward. With the reference
+    kernels on both sides to 1e-4; with the inference fast paths (compiled attention, indexer,
+    mHC: float32 rounding of their own) to 1e-3: on this random model a rounding difference of
+    1e-7 in one attention output already moves a later log-probability by up to 5e-5 (a near tie
+    in a top-k selection or an expert choice), and the fast paths moved one by 2.2e-4."""
+    from cedlm.quant.fast import reference_kernels_forced
+    tol = 1e-4 if kernels == "reference" else 1e-3
     ids = prompt(64)
     ref = forward_logprobs(tiny, ids)
     llm = LLM(tiny, prefill_mode=mode, block_tokens=8, prefill_chunk=16)
     # warm the prefix cache with the same prompt: a scored request must not start from it
     llm.generate(ids, SamplingParams(max_tokens=1, temperature=0))
     before = dict(llm.engine.counters)
-    out = llm.generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=3))[0]
+    with reference_kernels_forced(kernels == "reference"):
+        out = llm.generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=3))[0]
     assert out.finish_reason == "length" and out.token_ids == [] and out.text == ""
     assert out.num_cached_tokens == 0
     assert llm.engine.counters["encoder_tokens"] - before["encoder_tokens"] == len(ids)
@@ -171,12 +180,12 @@ def test_prompt_logprobs_equal_full_forward(tiny, mode):
         assert type(e.logprob) is float and all(type(v) is float for v in e.top_logprobs)
         assert all(type(t) is int for t in e.top_ids) and type(e.rank) is int
         row = ref[j - 1]
-        assert e.logprob == pytest.approx(row[ids[j]].item(), abs=1e-4)
+        assert e.logprob == pytest.approx(row[ids[j]].item(), abs=tol)
         a = row[ids[j]]                      # rank: 1 + tokens more likely (up to float noise)
-        assert int((row > a + 1e-4).sum()) + 1 <= e.rank <= int((row > a - 1e-4).sum()) + 1
+        assert int((row > a + tol).sum()) + 1 <= e.rank <= int((row > a - tol).sum()) + 1
         tv, ti = row.topk(3)
-        assert e.top_ids == ti.tolist()
-        assert e.top_logprobs == pytest.approx(tv.tolist(), abs=1e-4)
+        assert e.top_logprobs == pytest.approx(tv.tolist(), abs=tol)
+        assert [row[t].item() for t in e.top_ids] == pytest.approx(tv.tolist(), abs=tol)
         assert e.as_dict()[ids[j]] == e.logprob
     assert llm.engine.pool.num_used == 0
 
