@@ -21,12 +21,9 @@ One thread unless --threads says otherwise.
 """
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
-from cedlm.bench.common import Ctx, md_table, plt, save_plot, target
+from cedlm.bench.common import Ctx, md_table, measure_interleaved, plt, save_plot, stats, target
 from cedlm.bench.profiling import profile_call
 
 NAME = "formats"
@@ -36,21 +33,12 @@ TARGET = 0.3
 
 
 def _interleaved(fns: dict, reps: int, warm: int) -> dict[str, dict]:
-    """Median, min, max, spread of each fn's wall time, the repeats interleaved round-robin so
-    that load changes on a shared machine hit every fn alike."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for i in range(warm + reps):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            dt = time.perf_counter() - t0
-            if i >= warm:
-                times[k].append(dt)
+    """Median, min, max, spread of each fn's wall time, the repeats interleaved round-robin
+    (common.measure_interleaved)."""
     out = {}
-    for k, ts in times.items():
-        med = statistics.median(ts)
-        out[k] = {"median_s": med, "min_s": min(ts), "max_s": max(ts),
-                  "spread": (max(ts) - min(ts)) / med if med > 0 else 0.0}
+    for k, ts in measure_interleaved(fns, reps, warm).items():
+        st = stats(ts)
+        out[k] = {key: st[key] for key in ("median_s", "min_s", "max_s", "spread")}
     return out
 
 
