@@ -128,3 +128,13 @@ def tok():
     """The shipped 4096-token tokenizer (training and evaluation tests)."""
     from cedlm.text.tokenizer import load_tokenizer
     return load_tokenizer("default")
+
+
+@pytest.fixture(params=["fast", "reference"])
+def kernels(request):
+    """Run the test twice: with the inference fast paths (compiled kernels, the default) and with
+    every reference kernel forced (CEDLM_REFERENCE_KERNELS=1's switch): the exactness tests must
+    hold either way."""
+    from cedlm.quant.fast import reference_kernels_forced
+    with reference_kernels_forced(request.param == "reference"):
+        yield request.param

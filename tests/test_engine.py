@@ -27,7 +27,7 @@ def prompts(k, lo=3, hi=60, seed=0):
 
 
 @pytest.mark.parametrize("mode", ["full", "exact"])
-def test_engine_greedy_equals_plain_model(tiny, mode):
+def test_engine_greedy_equals_plain_model(tiny, mode, kernels):
     llm = LLM(tiny, prefill_mode=mode, block_tokens=8, prefill_chunk=16)
     ps = prompts(3)
     outs = llm.generate(ps, SamplingParams(max_tokens=12, temperature=0))

@@ -25,13 +25,16 @@ def golden():
     return torch.load(FIXTURE)
 
 
-@pytest.fixture(scope="module")
-def now():
-    import contextlib
+@pytest.fixture(scope="module", params=["fast", "reference"])
+def now(request):
+    """The cases recomputed with the inference fast paths (the default) and with every reference
+    kernel forced; the bitwise mode runs the references only."""
     from cedlm.quant.fast import reference_kernels_forced
     out = {}
     bitwise = os.environ.get("CEDLM_GOLDEN_BITWISE") == "1"
-    with reference_kernels_forced() if bitwise else contextlib.nullcontext():
+    if bitwise and request.param == "fast":
+        pytest.skip("CEDLM_GOLDEN_BITWISE=1 compares the reference kernels' bits")
+    with reference_kernels_forced(request.param == "reference"):
         _model_cases("tiny", _tiny(), out)
         _model_cases("small", _small(), out)
         _engine_cases(out)

@@ -32,7 +32,7 @@ def _run(model, ids, n_prompt, mode="full", chunk=None):
     return torch.cat(out), st
 
 
-def test_incremental_decode_equals_full_forward(tiny):
+def test_incremental_decode_equals_full_forward(tiny, kernels):
     cfg = tiny.cfg
     S = 6 * cfg.sliding_window                          # >= 4 x n_win tokens
     ids = torch.randint(0, cfg.vocab_size, (S,), generator=torch.Generator().manual_seed(1))
@@ -76,7 +76,7 @@ def test_exact_prefill_bound_is_tight(tiny, monkeypatch):
     assert (short - full).abs().max().item() > 1e-5      # one row fewer is no longer exact
 
 
-def test_batched_decode_equals_single(tiny):
+def test_batched_decode_equals_single(tiny, kernels):
     cfg = tiny.cfg
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 17, 30)]
@@ -224,7 +224,7 @@ def test_training_forward_backward(tiny):
         tiny.eval()
 
 
-def test_exact_replay_reproduces_uninterrupted_run(tiny):
+def test_exact_replay_reproduces_uninterrupted_run(tiny, kernels):
     cfg = tiny.cfg
     S = 2 * tiny.replay_tokens("exact") + 3                 # odd: a pending compressor group
     ids = torch.randint(0, cfg.vocab_size, (S + 8,), generator=torch.Generator().manual_seed(7))
@@ -270,7 +270,7 @@ def test_engram_tables_offloaded_to_memory_map(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("split", [2, 9, 17, 40])
-def test_prefill_continued_in_a_second_call_equals_full_forward(tiny, split):
+def test_prefill_continued_in_a_second_call_equals_full_forward(tiny, split, kernels):
     """A prompt appended to a state that already holds tokens (multi-turn, a prefix hit): the
     decoder pass must still see the global source's window rows from before the call, which the
     encoder pass has overwritten in the ring by then."""
