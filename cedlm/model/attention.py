@@ -22,6 +22,7 @@ from cedlm.model.kv_cache import KVCache
 from cedlm.model.norm import RMSNorm, rms
 from cedlm.model.rope import Rope
 from cedlm.quant import store_round
+from cedlm.quant.fast import inference_op
 
 
 def attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool, return_probs: bool = False):
@@ -63,13 +64,7 @@ def _fast_attend(q, win_k, comp_k, sink):
     """The compiled sparse attention (cedlm/quant/csrc/attend.h: the same softmax over [window ||
     selected || sink], float32 rounding apart) for float32 CPU inference, else None: autograd,
     other dtypes and the reference switch (CEDLM_REFERENCE_KERNELS=1) run the einsums below."""
-    ts = [q, win_k, sink] + ([] if comp_k is None else [comp_k])
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts):
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
-        return None
-    from cedlm.quant.fast import ext_op
-    return ext_op("attend_sparse")
+    return inference_op("attend_sparse", q, win_k, sink, *([] if comp_k is None else [comp_k]))
 
 
 class Attention(nn.Module):

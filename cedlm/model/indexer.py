@@ -23,6 +23,7 @@ from cedlm.model.kv_cache import KVCache
 from cedlm.model.norm import RMSNorm
 from cedlm.model.rope import Rope
 from cedlm.quant import store_round
+from cedlm.quant.fast import ext_format, inference_op
 
 NEG = float("-inf")
 
@@ -46,10 +47,7 @@ def stable_topk(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 def _fast_op(name: str, *tensors: torch.Tensor):
     """The compiled kernel `name` (cedlm/quant/csrc/index.h) for float32 CPU inference, else None:
     autograd and the reference switch (CEDLM_REFERENCE_KERNELS=1) run the readable torch path."""
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.requires_grad for t in tensors):
-        return None
-    from cedlm.quant.fast import ext_op
-    return ext_op(name)
+    return inference_op(name, *tensors)
 
 
 def candidate_pool(score: torch.Tensor, n_visible: torch.Tensor, block: int, topk_blocks: int
@@ -129,7 +127,6 @@ class Indexer(nn.Module):
         the codec (`KVCache.index_keys`), then `score`."""
         packed = cache.index_bytes(self.keys_src)
         if packed is not None:
-            from cedlm.quant.fast import ext_format
             raw, _, fmt = packed
             kind = ext_format(fmt)
             fast = _fast_op("index_score", q, w)

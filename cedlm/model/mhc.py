@@ -78,24 +78,17 @@ def _fast_mixes(*tensors: torch.Tensor):
     """The compiled mixes (cedlm/quant/csrc/mhc.h, same operations as the lines below it in
     `hc_mixes`) for inference on CPU, else None: training (autograd) and the reference switch
     (CEDLM_REFERENCE_KERNELS=1) run the readable torch path."""
-    return _fast("mhc_mixes", *tensors)
+    from cedlm.quant.fast import inference_op
+    return inference_op("mhc_mixes", *tensors, float32=False)
 
 
 def _fast_op(name: str, *tensors: torch.Tensor):
     """The compiled collapse / expand (mhc.h: the sums of the einsum below each call, in index
     order) for contiguous float32 CPU inference, else None (autograd, other dtypes, the switch)."""
-    if any(t.dtype != torch.float32 for t in tensors) or not tensors[0].is_contiguous():
+    if not tensors[0].is_contiguous():
         return None
-    return _fast(name, *tensors)
-
-
-def _fast(name: str, *tensors: torch.Tensor):
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return None
-    if any(t.device.type != "cpu" for t in tensors):
-        return None
-    from cedlm.quant.fast import ext_op
-    return ext_op(name)
+    from cedlm.quant.fast import inference_op
+    return inference_op(name, *tensors)
 
 
 def first_pre(x: torch.Tensor) -> torch.Tensor:

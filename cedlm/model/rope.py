@@ -94,13 +94,9 @@ def _fast_rotate(x: torch.Tensor, cos: torch.Tensor):
     The kernel (cedlm/quant/csrc/rope.h) does the same float32 operations as the lines below it
     in `Rope.apply`, bit-identical; training (autograd), other dtypes, unusual broadcasts and the
     reference switch (CEDLM_REFERENCE_KERNELS=1) run the readable torch path."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
-        return None
-    if torch.is_grad_enabled() and x.requires_grad:
-        return None
     heads = _heads(x, cos)
-    if not heads:
+    if not x.is_contiguous() or not heads:
         return None
-    from cedlm.quant.fast import ext_op
-    op = ext_op("rope_rotate")
+    from cedlm.quant.fast import inference_op
+    op = inference_op("rope_rotate", x)
     return None if op is None else (op, heads)

@@ -240,6 +240,18 @@ def ext_op(name: str):
     return getattr(_ext_module(), name, None)
 
 
+def inference_op(name: str, *tensors: torch.Tensor, float32: bool = True):
+    """``ext_op(name)`` for an inference call on ``tensors``, else None, and the caller runs its
+    readable reference: when autograd needs the call (grad enabled and a tensor requires grad),
+    a tensor is not on the CPU or (``float32``) not float32. The one gate of the model's compiled
+    kernels (attention, indexer, mHC, RoPE)."""
+    if any(t.device.type != "cpu" or (float32 and t.dtype != torch.float32) for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return ext_op(name)
+
+
 def ext_format(fmt) -> tuple[int, int] | None:
     """(the extension's kind code, block) of a V4.1 KV format name or object, for the compiled
     kernels that read packed entries themselves (e.g. the indexer's ``index_score``); None for a
