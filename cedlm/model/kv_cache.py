@@ -139,6 +139,7 @@ class ByteKVCache(_Stash):
         self._idx: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._idx_bytes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._kv_bytes: dict[int, torch.Tensor] = {}
+        self._ends: dict[int, torch.Tensor] = {}
         self._olds: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     # ---------------------------------------------------------------- windows
@@ -216,12 +217,17 @@ class ByteKVCache(_Stash):
         self._idx.pop(src, None)
         self._idx_bytes.pop(src, None)
         self._kv_bytes.pop(src, None)
+        self._ends.pop(src, None)
 
     def _counts(self, src):
         return [st.kv[src].n for st in self.states]
 
     def entry_ends(self, src):
-        return _ends(self.layout.row("kv", src).ratio, self._counts(src))
+        """Computed once per source and call (the indexer, its index keys and the attention
+        layers of a source all ask), until the source's entries change."""
+        if src not in self._ends:
+            self._ends[src] = _ends(self.layout.row("kv", src).ratio, self._counts(src))
+        return self._ends[src]
 
     def index_bytes(self, src):
         """(packed index keys uint8 [B, N, entry bytes] (zero bytes past a sequence's entries),
