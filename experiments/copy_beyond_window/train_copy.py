@@ -23,7 +23,7 @@ import torch.nn.functional as F
 torch.set_num_threads(1)
 from cedlm.config import ModelConfig
 from cedlm.model import build_model
-from cedlm.train.train import update_moe_bias
+from cedlm.train.train import moe_layers, update_moe_bias
 
 p = argparse.ArgumentParser()
 p.add_argument("--arch", default="ced", choices=["ced", "decoder_only", "gpt"])
@@ -172,11 +172,8 @@ for step in range(1, a.steps + 1):
     gn = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip).item() if a.clip else 0.0
     opt.step()
     opt.zero_grad(set_to_none=True)
-    if hasattr(model, "layers") and a.arch != "gpt":
-        try:
-            update_moe_bias(model, 1e-3, 1)
-        except Exception:
-            pass
+    if a.arch != "gpt" and moe_layers(model):         # aux-loss-free balancing, as in training
+        update_moe_bias(model, 1e-3, 1)
     with torch.no_grad():
         acc["l1"] += ce[m1].sum().item(); acc["n1"] += int(m1.sum())
         acc["l2"] += ce[m2].sum().item(); acc["n2"] += int(m2.sum())
