@@ -118,6 +118,18 @@ def test_kl_is_exactly_zero_for_identical_configurations(tiny, text_tokens):
     assert set(fp4["retrieval"]) == {"96"}
 
 
+def test_variant_model_keeps_the_dspark_drafter(tiny):
+    """A model that ships mtp.safetensors (the default model) rebuilds with its drafter: its
+    state has mtp.* tensors, which a drafter-less build would reject."""
+    from cedlm.model import build_model
+    model, tok = tiny
+    torch.manual_seed(0)
+    with_mtp = build_model(model.cfg, dspark=True).eval()
+    m = variant_model(with_mtp, tok, Setting("fp4", {**REFERENCE, "main_kv_format": "kv_fp4"}))
+    assert m.mtp is not None and m.cfg.main_kv_format == "kv_fp4"
+    assert torch.equal(m.state_dict()["mtp.0.main_proj.weight"], with_mtp.state_dict()["mtp.0.main_proj.weight"])
+
+
 def test_retrieval_samples_are_exact_and_answer_last(tiny, text_tokens):
     _, tok = tiny
     rng = np.random.Generator(np.random.PCG64(0))

@@ -65,7 +65,7 @@ def reference(**extra) -> Setting:
 def variant_model(base, tokenizer, setting: Setting):
     """The base model's weights under the setting's config (and indexer swap), in eval mode."""
     cfg = base.cfg.replace(**setting.overrides) if setting.overrides else base.cfg
-    m = build_model(cfg)
+    m = build_model(cfg, dspark=getattr(base, "mtp", None) is not None)   # a model that ships mtp.safetensors
     state = base.state_dict()
     if setting.indexer_state is not None:
         missing = [k for k in setting.indexer_state if k not in state]

@@ -1,10 +1,14 @@
-"""Copy beyond the window: distil the indexer of a copy-trained model, then compare selections.
+"""Beyond the window: distil the indexer of a copy- or recall-trained model, then compare selections.
 
-    python distil_eval.py CHECKPOINT.pt OUT.json [DISTIL_STEPS [GAP]]
+    python distil_eval.py CHECKPOINT.pt OUT.json [DISTIL_STEPS [GAP]] [--layout recall --gaps 0 32 64 96]
 
-CHECKPOINT.pt: saved by train_copy.py --save (its preset and config overrides are in it).
+CHECKPOINT.pt: saved by train_copy.py --save (its preset, config overrides and args are in it).
+Rows: dense selection (every visible entry), sparse top-k with the indexer at initialisation, and
+sparse top-k after distilling the indexer (`cedlm train indexer`'s phase 1, indexer weights only).
+Layout "far" (default) scores the second copy of the far layout at GAP; "recall" scores the
+query part's values at each of --gaps (filler as the checkpoint was trained with).
 """
-import copy, json, sys, time
+import argparse, copy, json, os, sys, time
 import torch
 import torch.nn.functional as F
 torch.set_num_threads(1)
@@ -13,56 +17,85 @@ from cedlm.model import build_model
 from cedlm.model.probe import IndexerProbe, distill_kl, topk_recall
 from cedlm.train.indexer import indexer_params
 
-ck = torch.load(sys.argv[1])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tasks
+
+ap = argparse.ArgumentParser()
+ap.add_argument("ckpt"); ap.add_argument("out")
+ap.add_argument("steps", nargs="?", type=int, default=150)
+ap.add_argument("gap", nargs="?", type=int, default=48)
+ap.add_argument("--layout", default="far", choices=["far", "recall"])
+ap.add_argument("--gaps", type=int, nargs="*", default=None, help="recall: filler lengths scored (default: GAP)")
+ap.add_argument("--batches", type=int, default=8)
+ap.add_argument("--filler", default=None, choices=["random", "text"], help="recall: default as the checkpoint was trained")
+ap.add_argument("--pairs", type=int, default=None, help="recall: default as the checkpoint was trained, else 8")
+ap.add_argument("--train-gaps", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                help="recall: distillation batches draw their gap in MIN..MAX (default: the checkpoint's run, else GAP)")
+args = ap.parse_args()
+ck = torch.load(args.ckpt)
 cfg = ModelConfig.preset(ck["preset"]).replace(**ck["cfg_over"])
 model = build_model(cfg)
 model.load_state_dict(ck["state"])
 model.eval()
 init_state = copy.deepcopy(model.state_dict())
-steps = int(sys.argv[3]) if len(sys.argv) > 3 else 150
+steps = args.steps
 L, BLOCKS, LO, HI, B = 16, 2, 16, 80, 16
-GAP = int(sys.argv[4]) if len(sys.argv) > 4 else 48
+GAP = args.gap
+GAPS = args.gaps or [GAP]
 W = cfg.sliding_window
+targs = ck.get("args", {})
+text = None
+if args.filler:
+    targs["filler"] = args.filler
+if args.pairs:
+    targs["pairs"] = args.pairs
+if args.train_gaps:
+    targs.update(min_gap=args.train_gaps[0], gap=args.train_gaps[1], random_gap=True)
+if args.layout == "recall" and targs.get("filler") == "text":
+    import numpy as np
+    from cedlm.data.tokens import token_cache
+    from cedlm.text.tokenizer import load_tokenizer
+    # held-out filler: the validation split (training drew from train.txt)
+    text = torch.from_numpy(np.asarray(token_cache("data/corpus/val.txt", load_tokenizer(), build=False), dtype=np.int64))
+PAIRS = targs.get("pairs", 8)
 
 
-def batch(g, gap=GAP, blocks=BLOCKS):
-    """The far layout of train_copy.py: blocks of [r (L random tokens), filler (gap), r]; the
-    copy sits L + gap tokens back, beyond the window. Mask: the second copy's targets except
-    its first token (it follows the filler, not predictable)."""
-    parts, mask = [], []
-    for _ in range(blocks):
-        r = torch.randint(LO, HI, (B, L), generator=g)
-        parts += [r, torch.randint(LO, HI, (B, gap), generator=g), r]
-        mask += [torch.zeros(L + gap + 1, dtype=torch.bool), torch.ones(L - 1, dtype=torch.bool)]
-    seq = torch.cat(parts, 1)
-    m = torch.cat(mask).expand(B, -1)
-    return seq[:, :-1], seq[:, 1:], m[:, 1:]
+def batch(g, gap=GAP):
+    if args.layout == "recall":
+        x, y, _, m = tasks.recall(g, B, PAIRS, gap, LO, HI, text=text)
+        return x, y, m
+    x, y, _, m = tasks.far(g, B, L, BLOCKS, gap, LO, HI, skip_first=True)
+    return x, y, m
 
 
-def evaluate(tag, probe_dense: bool, n=8):
-    g = torch.Generator().manual_seed(12345)
-    nll = acc = cnt = 0.0
-    rec = {}
-    with torch.no_grad():
-        for _ in range(n):
-            x, y, m = batch(g)                              # copy distance L + gap > window
-            probe = IndexerProbe(dense=probe_dense)
-            logits = model(x, probe=probe)
-            ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(y)
-            nll += ce[m].sum().item(); acc += (logits.argmax(-1) == y)[m].float().sum().item()
-            cnt += int(m.sum())
-            if not probe_dense:
-                for l, v in topk_recall(probe, cfg.index_topk).items():
-                    rec.setdefault(l, []).append(v)
-    out = {"row": tag, "copy_acc": acc / cnt, "copy_nll": nll / cnt, "tokens": int(cnt),
-           "topk_recall": {l: sum(v) / len(v) for l, v in rec.items()}}
+def evaluate(tag, probe_dense: bool, n=args.batches):
+    out = {"row": tag, "by_gap": {}}
+    for gap in GAPS:
+        g = torch.Generator().manual_seed(12345)
+        nll = acc = cnt = 0.0
+        rec = {}
+        with torch.no_grad():
+            for _ in range(n):
+                x, y, m = batch(g, gap)
+                probe = IndexerProbe(dense=probe_dense)
+                logits = model(x, probe=probe)
+                ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+                nll += ce[m].sum().item(); acc += (logits.argmax(-1) == y)[m].float().sum().item()
+                cnt += int(m.sum())
+                if not probe_dense:
+                    for l, v in topk_recall(probe, cfg.index_topk).items():
+                        rec.setdefault(l, []).append(v)
+        out["by_gap"][gap] = {"acc": acc / cnt, "nll": nll / cnt, "tokens": int(cnt),
+                              "topk_recall": {l: sum(v) / len(v) for l, v in rec.items()}}
+    first = out["by_gap"][GAPS[0]]
+    out.update(copy_acc=first["acc"], copy_nll=first["nll"], tokens=first["tokens"], topk_recall=first["topk_recall"])
     print(json.dumps(out), flush=True)
     return out
 
 
 rows = [evaluate("dense: every visible entry", True), evaluate("sparse top-k, indexer at initialisation", False)]
 # distillation: the dense warm-up recipe (KL of the indexer's scores to the attention over every
-# visible entry), indexer weights only
+# visible entry), indexer weights only; training batches draw the gap like the checkpoint's run
 for p in model.parameters():
     p.requires_grad_(False)
 params = indexer_params(model)
@@ -70,16 +103,25 @@ for p in params:
     p.requires_grad_(True)
 opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
 g = torch.Generator().manual_seed(7)
+if text is not None:          # distil on training text, score on validation text
+    val_text = text
+    text = torch.from_numpy(np.asarray(token_cache("data/corpus/train.txt", load_tokenizer(), build=False)[:2_000_000],
+                                       dtype=np.int64))
 t0 = time.time()
 for i in range(1, steps + 1):
-    x, y, m = batch(g)
+    gap = int(torch.randint(targs.get("min_gap", GAP), targs.get("gap", GAP) + 1, (1,), generator=g)) \
+        if args.layout == "recall" and targs.get("random_gap") else GAP
+    x, y, m = batch(g, gap)
     probe = IndexerProbe(dense=True)
     model(x, probe=probe)
     kl, per = distill_kl(probe, sparse=False)
     kl.backward(); opt.step(); opt.zero_grad(set_to_none=True)
     if i % 25 == 0:
         print(json.dumps({"distil_step": i, "kl": round(kl.item(), 4), "s": round(time.time() - t0, 1)}), flush=True)
+if text is not None:
+    text = val_text
 main_same = all(torch.equal(v, init_state[k]) for k, v in model.state_dict().items() if ".indexer." not in k)
 rows.append(evaluate("sparse top-k, indexer distilled", False))
 json.dump({"rows": rows, "distil_steps": steps, "distil_s": time.time() - t0, "main_weights_unchanged": main_same,
-           "index_topk": cfg.index_topk, "window": W, "L": L, "gap": GAP, "blocks": BLOCKS}, open(sys.argv[2], "w"), indent=1)
+           "index_topk": cfg.index_topk, "window": W, "layout": args.layout, "gaps": GAPS, "pairs": PAIRS,
+           "L": L, "gap": GAP, "blocks": BLOCKS}, open(args.out, "w"), indent=1)

@@ -6,6 +6,9 @@ Layouts (tokens uniform in [lo, hi)):
   (gap between the end of the first copy and the start of the second: 0..max_gap);
 - "far": blocks of [r, filler of --gap tokens, r] (the copy sits L + gap tokens back: beyond a
   32-token window for gap >= 17); --switch-at N trains on "fixed" for the first N steps.
+- "recall": associative recall by content (`tasks.recall`): --pairs key-value pairs, a filler of
+  --gap tokens (random, or corpus text with --filler text), then every key again with its value.
+  --random-gap draws the gap uniformly in --min-gap..--gap per batch.
 Loss on all positions; logged per bucket of --log-every steps: the mean loss on the targets of the
 first copy (random: floor ln(hi - lo)) and of the second copy (predictable by copying), and the
 second copy's argmax accuracy. `--arch decoder_only` trains the repo's Llama-like baseline, `--arch
@@ -20,6 +23,9 @@ import argparse, json, math, os, sys, time
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tasks
+
 torch.set_num_threads(1)
 from cedlm.config import ModelConfig
 from cedlm.model import build_model
@@ -33,10 +39,13 @@ p.add_argument("--steps", type=int, default=600)
 p.add_argument("--batch", type=int, default=16)
 p.add_argument("--L", type=int, default=16)
 p.add_argument("--blocks", type=int, default=2)
-p.add_argument("--layout", default="fixed", choices=["fixed", "induction", "far"])
+p.add_argument("--layout", default="fixed", choices=["fixed", "induction", "far", "recall"])
 p.add_argument("--gap", type=int, default=48, help="far layout: filler tokens between a block and its copy")
 p.add_argument("--switch-at", type=int, default=0, help="fixed layout for the first N steps, then --layout")
-p.add_argument("--random-gap", action="store_true", help="far layout: each batch draws its gap uniformly in 0..--gap")
+p.add_argument("--random-gap", action="store_true", help="far/recall: each batch draws its gap uniformly in --min-gap..--gap")
+p.add_argument("--min-gap", type=int, default=0)
+p.add_argument("--pairs", type=int, default=8, help="recall layout: key-value pairs per sequence")
+p.add_argument("--filler", default="random", choices=["random", "text"], help="recall layout: filler tokens")
 p.add_argument("--seq", type=int, default=64, help="induction layout: sequence length")
 p.add_argument("--max-gap", type=int, default=0)
 p.add_argument("--lo", type=int, default=16)
@@ -95,24 +104,23 @@ if a.init:
 model.train()
 nparam = sum(p.numel() for p in model.parameters())
 gen = torch.Generator().manual_seed(1000 + a.seed)
+text = None
+if a.filler == "text":        # the prepared corpus (data/corpus/train.txt) as filler
+    import numpy as np
+    from cedlm.data.tokens import token_cache
+    from cedlm.text.tokenizer import load_tokenizer
+    text = torch.from_numpy(np.asarray(token_cache("data/corpus/train.txt", load_tokenizer(), build=False)[:2_000_000],
+                                       dtype=np.int64))
 
 
 def batch(layout=None):
     B, L = a.batch, a.L
     layout = layout or a.layout
+    G = int(torch.randint(a.min_gap, a.gap + 1, (1,), generator=gen)) if a.random_gap else a.gap
     if layout == "far":
-        blocks, first, second = [], [], []
-        G = int(torch.randint(0, a.gap + 1, (1,), generator=gen)) if a.random_gap else a.gap
-        for _ in range(a.blocks):
-            r = torch.randint(a.lo, a.hi, (B, L), generator=gen)
-            f = torch.randint(a.lo, a.hi, (B, G), generator=gen)
-            blocks += [r, f, r]
-            first += [torch.ones(L, dtype=torch.bool), torch.zeros(G + L, dtype=torch.bool)]
-            second += [torch.zeros(L + G, dtype=torch.bool), torch.ones(L, dtype=torch.bool)]
-        seq = torch.cat(blocks, 1)
-        first = torch.cat(first).expand(B, -1)
-        second = torch.cat(second).expand(B, -1)
-        return seq[:, :-1], seq[:, 1:], first[:, 1:], second[:, 1:]
+        return tasks.far(gen, B, L, a.blocks, G, a.lo, a.hi)
+    if layout == "recall":
+        return tasks.recall(gen, B, a.pairs, G, a.lo, a.hi, text=text)
     if layout == "fixed":
         blocks = []
         for _ in range(a.blocks):
@@ -192,4 +200,4 @@ for step in range(1, a.steps + 1):
         print(f"stopped at step {step}: time budget", flush=True)
         break
 if a.save:
-    torch.save({"cfg_over": over, "preset": a.preset, "arch": a.arch, "state": model.state_dict()}, a.save)
+    torch.save({"cfg_over": over, "preset": a.preset, "arch": a.arch, "args": vars(a), "state": model.state_dict()}, a.save)
