@@ -210,8 +210,12 @@ def test_health_reports_a_stalled_engine_thread():
         th = threading.Thread(target=_post, args=(base, "/v1/completions",
                                                   {"model": MODEL, "prompt": "x", "max_tokens": 1}))
         th.start()
-        time.sleep(0.8)
-        code, h = _health(base)
+        deadline = time.monotonic() + 8.0      # the request reaches the hung step (slow on a busy machine)
+        while True:
+            time.sleep(0.4)
+            code, h = _health(base)
+            if h["status"] != "ready" or time.monotonic() > deadline:
+                break
         hang.set()
         th.join(30)
         assert code == 200 and h["status"] == "degraded" and "busy" in h["reason"]
