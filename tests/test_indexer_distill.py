@@ -144,6 +144,9 @@ def test_retrieval_samples_are_exact_and_answer_last(tiny, text_tokens):
     ids, mask = training_sequence(rng, text_tokens, tok, 400, 3, 64)
     assert len(ids) == 401 and mask.sum() >= 3
     assert tok.decode(ids[mask].tolist()).replace(" ", "").isdigit()
+    for seed in range(20):      # several items: never two passkey records (the answer would be ambiguous)
+        ids, _ = training_sequence(np.random.Generator(np.random.PCG64(seed)), text_tokens, tok, 600, 4, 32)
+        assert tok.decode(ids.tolist()).count("Remember it.") <= 1
 
 
 def test_bf16_format_round_trips():

@@ -253,6 +253,10 @@ def test_model_card_copies_the_measured_numbers():
                    "## How to load", "Public domain".lower(), "PSF-2.0", "CC0-1.0", "## Intended use"):
         assert needle.lower() in card.lower(), needle
     assert ("No chat or instruction fine-tune" in card) is not chat
+    assert ("## Lightning indexer (distilled)" in card) is ("indexer_steps" in summary)
+    if "indexer_steps" in summary:                  # the distilled indexer's stage and its measured KL
+        assert f"{summary['indexer_steps']} steps of {summary['indexer_seq_len']}-token" in card
+        assert f"{summary['indexer_fidelity_kl']:.6g} distilled" in card
     from cedlm.data.sources import SOURCES
 
     assert all(f"`{name}`" in card for name in SOURCES)

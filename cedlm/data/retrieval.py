@@ -85,15 +85,19 @@ def eval_sample(rng: np.random.Generator, tokens: np.ndarray, tokenizer, length:
 def training_sequence(rng: np.random.Generator, tokens: np.ndarray, tokenizer, seq_len: int,
                       n_items: int, min_gap: int) -> tuple[np.ndarray, np.ndarray]:
     """seq_len + 1 tokens of corpus text carrying `n_items` retrieval items, each query at least
-    `min_gap` tokens after its record(s). Returns (ids int64 [seq_len + 1], answer mask bool
+    `min_gap` tokens after its record(s). At most one item is a passkey (every passkey query
+    would otherwise match every passkey record); the rest are key-value items. Returns (ids int64 [seq_len + 1], answer mask bool
     [seq_len + 1], True on answer tokens)."""
     enc = lambda s: np.asarray(tokenizer.encode(s), dtype=np.int64)   # noqa: E731
     L = seq_len + 1
     events: list[tuple[int, np.ndarray, bool]] = []     # (position in filler, ids, is answer part)
     used = 0
     items = []
+    passkey_used = False        # one passkey per sequence: a second record would make the answer ambiguous
     for _ in range(n_items):
-        recs, query, answer = _item(rng, KINDS[int(rng.integers(0, len(KINDS)))], n_kv=2)
+        kind = "kv" if passkey_used else KINDS[int(rng.integers(0, len(KINDS)))]
+        passkey_used |= kind == "passkey"
+        recs, query, answer = _item(rng, kind, n_kv=2)
         r = [enc(x) for x in recs]
         q, a = enc(query), enc(answer)
         items.append((r, q, a))

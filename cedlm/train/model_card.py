@@ -161,10 +161,22 @@ def _chat_stage(summary: dict) -> list[str]:
 
 
 def _component_stages(summary: dict) -> list[str]:
-    """The stages that add a component file beside the main weights: the DSpark drafter
+    """The stages after pretraining and chat: the distilled lightning indexer (in the main weights,
+    `cedlm train indexer`), then those that add a component file beside the main weights: the DSpark drafter
     (`mtp.safetensors`, `cedlm train dspark`) and the vision tower (`vision.safetensors`,
     `cedlm train vision`), from their summary keys."""
     s, L = summary, []
+    if "indexer_steps" in s:
+        L += ["", "## Lightning indexer (distilled)", "",
+              f"`cedlm train indexer` (dense warm-up, indexer weights only; the other weights are unchanged): "
+              f"{s['indexer_steps']} steps of {s.get('indexer_seq_len')}-token sequences in "
+              f"{_val(s.get('indexer_wall_s'))} s. KL of the indexer's scores to the main attention "
+              f"{_val(s.get('indexer_kl_start'))} -> {_val(s.get('indexer_kl_end'))} nats. Against dense BF16 "
+              f"attention at {s.get('indexer_fidelity_len')} tokens, the shipped sparse configuration's KL is "
+              f"{_val(s.get('indexer_fidelity_kl_before'))} nats with the indexer at initialisation and "
+              f"{_val(s.get('indexer_fidelity_kl'))} distilled (top-1 agreement "
+              f"{_val(s.get('indexer_fidelity_top1_before'))} -> {_val(s.get('indexer_fidelity_top1'))}; "
+              "the repository's FIDELITY.md has the full table)."]
     if "dspark_steps" in s:
         L += ["", "## DSpark drafter (`mtp.safetensors`)", "",
               f"`cedlm train dspark`: the target frozen, {s['dspark_steps']} drafter updates in "

@@ -1,14 +1,17 @@
 """Beyond the window: distil the indexer of a copy- or recall-trained model, then compare selections.
 
-    python distil_eval.py CHECKPOINT.pt OUT.json [DISTIL_STEPS [GAP]] [--layout recall --gaps 0 32 64 96]
+    python distil_eval.py CHECKPOINT.pt OUT.json [DISTIL_STEPS [GAP]] [--layout recall|passkey --gaps 0 32 64 96]
 
 CHECKPOINT.pt: saved by train_copy.py --save (its preset, config overrides and args are in it).
 Rows: dense selection (every visible entry), sparse top-k with the indexer at initialisation, and
 sparse top-k after distilling the indexer (`cedlm train indexer`'s phase 1, indexer weights only).
 Layout "far" (default) scores the second copy of the far layout at GAP; "recall" scores the
-query part's values at each of --gaps (filler as the checkpoint was trained with).
+query part's values at each of --gaps (filler as the checkpoint was trained with); "passkey"
+scores the answer of a passkey item in corpus text whose record ends --gaps filler tokens before
+the query (validation text; distillation on training text, gaps drawn as in the checkpoint's run).
 """
 import argparse, copy, json, os, sys, time
+import numpy as np
 import torch
 import torch.nn.functional as F
 torch.set_num_threads(1)
@@ -24,7 +27,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("ckpt"); ap.add_argument("out")
 ap.add_argument("steps", nargs="?", type=int, default=150)
 ap.add_argument("gap", nargs="?", type=int, default=48)
-ap.add_argument("--layout", default="far", choices=["far", "recall"])
+ap.add_argument("--layout", default="far", choices=["far", "recall", "passkey"])
 ap.add_argument("--gaps", type=int, nargs="*", default=None, help="recall: filler lengths scored (default: GAP)")
 ap.add_argument("--batches", type=int, default=8)
 ap.add_argument("--filler", default=None, choices=["random", "text"], help="recall: default as the checkpoint was trained")
@@ -51,16 +54,20 @@ if args.pairs:
     targs["pairs"] = args.pairs
 if args.train_gaps:
     targs.update(min_gap=args.train_gaps[0], gap=args.train_gaps[1], random_gap=True)
-if args.layout == "recall" and targs.get("filler") == "text":
-    import numpy as np
+np_rng = [None]
+if args.layout == "passkey" or (args.layout == "recall" and targs.get("filler") == "text"):
     from cedlm.data.tokens import token_cache
     from cedlm.text.tokenizer import load_tokenizer
     # held-out filler: the validation split (training drew from train.txt)
-    text = torch.from_numpy(np.asarray(token_cache("data/corpus/val.txt", load_tokenizer(), build=False), dtype=np.int64))
+    tokenizer = load_tokenizer()
+    text = torch.from_numpy(np.asarray(token_cache("data/corpus/val.txt", tokenizer, build=True), dtype=np.int64))
 PAIRS = targs.get("pairs", 8)
 
 
 def batch(g, gap=GAP):
+    if args.layout == "passkey":
+        x, y, _, m = tasks.passkey(np_rng[0], B, targs.get("seq", 128), gap, text.numpy(), tokenizer, max_gap=gap)
+        return x, y, m
     if args.layout == "recall":
         x, y, _, m = tasks.recall(g, B, PAIRS, gap, LO, HI, text=text)
         return x, y, m
@@ -72,7 +79,8 @@ def evaluate(tag, probe_dense: bool, n=args.batches):
     out = {"row": tag, "by_gap": {}}
     for gap in GAPS:
         g = torch.Generator().manual_seed(12345)
-        nll = acc = cnt = 0.0
+        np_rng[0] = np.random.default_rng(12345) if args.layout == "passkey" else None
+        nll = acc = cnt = exact = rows_n = 0.0
         rec = {}
         with torch.no_grad():
             for _ in range(n):
@@ -82,10 +90,13 @@ def evaluate(tag, probe_dense: bool, n=args.batches):
                 ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(y)
                 nll += ce[m].sum().item(); acc += (logits.argmax(-1) == y)[m].float().sum().item()
                 cnt += int(m.sum())
+                hit, rows_m = logits.argmax(-1) == y, m.any(1)    # exact: every answer token of an item right
+                exact += (hit | ~m).all(1)[rows_m].float().sum().item(); rows_n += int(rows_m.sum())
                 if not probe_dense:
                     for l, v in topk_recall(probe, cfg.index_topk).items():
                         rec.setdefault(l, []).append(v)
         out["by_gap"][gap] = {"acc": acc / cnt, "nll": nll / cnt, "tokens": int(cnt),
+                              "exact": exact / max(rows_n, 1), "items": int(rows_n),
                               "topk_recall": {l: sum(v) / len(v) for l, v in rec.items()}}
     first = out["by_gap"][GAPS[0]]
     out.update(copy_acc=first["acc"], copy_nll=first["nll"], tokens=first["tokens"], topk_recall=first["topk_recall"])
@@ -103,6 +114,7 @@ for p in params:
     p.requires_grad_(True)
 opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
 g = torch.Generator().manual_seed(7)
+np_rng[0] = np.random.default_rng(7) if args.layout == "passkey" else None
 if text is not None:          # distil on training text, score on validation text
     val_text = text
     text = torch.from_numpy(np.asarray(token_cache("data/corpus/train.txt", load_tokenizer(), build=False)[:2_000_000],
@@ -110,7 +122,7 @@ if text is not None:          # distil on training text, score on validation tex
 t0 = time.time()
 for i in range(1, steps + 1):
     gap = int(torch.randint(targs.get("min_gap", GAP), targs.get("gap", GAP) + 1, (1,), generator=g)) \
-        if args.layout == "recall" and targs.get("random_gap") else GAP
+        if (args.layout == "recall" and targs.get("random_gap")) or args.layout == "passkey" else GAP
     x, y, m = batch(g, gap)
     probe = IndexerProbe(dense=True)
     model(x, probe=probe)

@@ -59,3 +59,25 @@ def recall(g: torch.Generator, B: int, pairs: int, gap: int, lo: int, hi: int,
     first = torch.cat((is_val, none, z)).expand(B, -1)
     second = torch.cat((z, none, is_val)).expand(B, -1)
     return seq[:, :-1], seq[:, 1:], first[:, 1:], second[:, 1:]
+
+
+def passkey(rng, B: int, length: int, min_gap: int, tokens, tokenizer, max_gap: int | None = None):
+    """Passkey retrieval in real text (`cedlm.data.retrieval.eval_sample`, kind passkey): `length`
+    tokens of corpus filler with one record " The pass key is N. Remember it. N is the pass key. "
+    and, at the end, the query " What is the pass key? The pass key is" and the answer " N". The
+    record sits min_gap..max_gap filler tokens before the query (beyond a 32-token window for
+    min_gap >= 32). rng: a numpy Generator; tokens: corpus token ids. `first` = every target that
+    is not an answer token (the language-modelling targets), `second` = the answer tokens."""
+    import numpy as np
+    from cedlm.data.retrieval import eval_sample
+    seqs, second = [], torch.zeros(B, length, dtype=torch.bool)
+    for b in range(B):
+        # eval_sample places the record at depth * n_fill; n_fill ~ length - 30 (record, query, answer)
+        n_fill = length - 30
+        hi = n_fill if max_gap is None else min(n_fill, max_gap)
+        gap = int(rng.integers(min_gap, hi + 1))
+        ids, n_ans = eval_sample(rng, tokens, tokenizer, length, "passkey", max(0.0, 1.0 - gap / n_fill))
+        seqs.append(torch.from_numpy(np.asarray(ids, dtype=np.int64)))
+        second[b, length - n_ans:] = True
+    seq = torch.stack(seqs)
+    return seq[:, :-1], seq[:, 1:], ~second[:, 1:], second[:, 1:]

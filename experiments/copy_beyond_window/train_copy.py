@@ -39,14 +39,16 @@ p.add_argument("--steps", type=int, default=600)
 p.add_argument("--batch", type=int, default=16)
 p.add_argument("--L", type=int, default=16)
 p.add_argument("--blocks", type=int, default=2)
-p.add_argument("--layout", default="fixed", choices=["fixed", "induction", "far", "recall"])
+p.add_argument("--layout", default="fixed", choices=["fixed", "induction", "far", "recall", "passkey"])
 p.add_argument("--gap", type=int, default=48, help="far layout: filler tokens between a block and its copy")
 p.add_argument("--switch-at", type=int, default=0, help="fixed layout for the first N steps, then --layout")
 p.add_argument("--random-gap", action="store_true", help="far/recall: each batch draws its gap uniformly in --min-gap..--gap")
 p.add_argument("--min-gap", type=int, default=0)
 p.add_argument("--pairs", type=int, default=8, help="recall layout: key-value pairs per sequence")
 p.add_argument("--filler", default="random", choices=["random", "text"], help="recall layout: filler tokens")
-p.add_argument("--seq", type=int, default=64, help="induction layout: sequence length")
+p.add_argument("--seq", type=int, default=64, help="induction / passkey layout: sequence length")
+p.add_argument("--answer-weight", type=float, default=0.0,
+               help="add this times the mean loss of the second-copy / answer targets to the loss")
 p.add_argument("--max-gap", type=int, default=0)
 p.add_argument("--lo", type=int, default=16)
 p.add_argument("--hi", type=int, default=528)
@@ -105,12 +107,15 @@ model.train()
 nparam = sum(p.numel() for p in model.parameters())
 gen = torch.Generator().manual_seed(1000 + a.seed)
 text = None
-if a.filler == "text":        # the prepared corpus (data/corpus/train.txt) as filler
+np_rng = None
+if a.filler == "text" or a.layout == "passkey":   # the prepared corpus (data/corpus/train.txt) as filler
     import numpy as np
     from cedlm.data.tokens import token_cache
     from cedlm.text.tokenizer import load_tokenizer
-    text = torch.from_numpy(np.asarray(token_cache("data/corpus/train.txt", load_tokenizer(), build=False)[:2_000_000],
+    tokenizer = load_tokenizer()
+    text = torch.from_numpy(np.asarray(token_cache("data/corpus/train.txt", tokenizer, build=False)[:2_000_000],
                                        dtype=np.int64))
+    np_rng = np.random.default_rng(1000 + a.seed)
 
 
 def batch(layout=None):
@@ -121,6 +126,8 @@ def batch(layout=None):
         return tasks.far(gen, B, L, a.blocks, G, a.lo, a.hi)
     if layout == "recall":
         return tasks.recall(gen, B, a.pairs, G, a.lo, a.hi, text=text)
+    if layout == "passkey":
+        return tasks.passkey(np_rng, B, a.seq, a.min_gap, text.numpy(), tokenizer, max_gap=a.gap)
     if layout == "fixed":
         blocks = []
         for _ in range(a.blocks):
@@ -163,8 +170,8 @@ outf = open(a.out, "w") if a.out else None
 if outf:
     outf.write(json.dumps(info) + "\n")
 t0 = time.time()
-acc = {"l1": 0.0, "n1": 0, "l2": 0.0, "n2": 0, "a2": 0.0, "all": 0.0, "k": 0, "gn": 0.0}
-ln_floor = math.log(a.hi - a.lo)
+acc = {"l1": 0.0, "n1": 0, "l2": 0.0, "n2": 0, "a2": 0.0, "all": 0.0, "k": 0, "gn": 0.0, "ex": 0.0, "rows": 0}
+ln_floor = math.log(a.hi - a.lo) if a.layout != "passkey" else None
 for step in range(1, a.steps + 1):
     lr = a.lr * min(1.0, step / a.warmup)
     for g in opt.param_groups:
@@ -176,6 +183,8 @@ for step in range(1, a.steps + 1):
         logits = model(x)
     ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(y)
     loss = ce.mean()
+    if a.answer_weight:
+        loss = loss + a.answer_weight * ce[m2].mean()
     loss.backward()
     gn = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip).item() if a.clip else 0.0
     opt.step()
@@ -185,11 +194,15 @@ for step in range(1, a.steps + 1):
     with torch.no_grad():
         acc["l1"] += ce[m1].sum().item(); acc["n1"] += int(m1.sum())
         acc["l2"] += ce[m2].sum().item(); acc["n2"] += int(m2.sum())
-        acc["a2"] += (logits.argmax(-1) == y)[m2].float().sum().item()
+        hit = logits.argmax(-1) == y
+        acc["a2"] += hit[m2].float().sum().item()
+        rows = m2.any(1)                        # rows with answer tokens: exact = all of them right
+        acc["ex"] += (hit | ~m2).all(1)[rows].float().sum().item(); acc["rows"] += int(rows.sum())
         acc["all"] += loss.item(); acc["k"] += 1; acc["gn"] += gn
     if step % a.log_every == 0 or step == a.steps:
         rec = {"step": step, "first": acc["l1"] / max(acc["n1"], 1), "second": acc["l2"] / max(acc["n2"], 1),
-               "second_acc": acc["a2"] / max(acc["n2"], 1), "loss": acc["all"] / acc["k"],
+               "second_acc": acc["a2"] / max(acc["n2"], 1),
+               "exact_rows": acc["ex"] / max(acc["rows"], 1), "loss": acc["all"] / acc["k"],
                "grad_norm": acc["gn"] / acc["k"], "s_per_step": (time.time() - t0) / step,
                "elapsed": time.time() - t0, "floor": ln_floor}
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}), flush=True)
