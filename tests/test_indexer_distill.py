@@ -207,3 +207,18 @@ def test_fidelity_cli_rejects_a_bad_value(capsys):
     rc = main(["eval", "fidelity", "--model", "tiny", "--set", "index_topk=0", "--text",
                str(REPO / "README.md")])
     assert rc == 2 and "index_topk: must be positive" in capsys.readouterr().err
+
+
+def test_retrieval_kinds_choose_the_items(tiny, text_tokens, capsys):
+    from cedlm.cli import main
+    from cedlm.eval.fidelity import retrieval_samples
+    _, tok = tiny
+    for kinds, needle in ((("passkey",), "pass key"), (("kv",), "value of key")):
+        items = retrieval_samples(text_tokens, tok, 200, 3, kinds=kinds)
+        assert all(needle in tok.decode(ids.tolist()) for ids, _ in items)
+    rc = main(["eval", "fidelity", "--model", "tiny", "--lengths", "128", "--samples", "1", "--retrieval-samples",
+               "128:2", "--retrieval-kinds", "passkey", "--text", str(REPO / "README.md"), "--json", "--threads", "1"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["retrieval_kinds"] == ["passkey"]
+    with pytest.raises(SystemExit):
+        main(["eval", "fidelity", "--model", "tiny", "--retrieval-kinds", "passkey,nope"])
+    assert "--retrieval-kinds" in capsys.readouterr().err

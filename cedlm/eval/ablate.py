@@ -85,12 +85,12 @@ def run_ablation(model, tokenizer, tokens, out: Path, text_lengths, n_text, retr
                  n_retrieval: dict, long_rows: set[str] | None = None, tail: int = 128,
                  progress: bool = True, seed: int = 1337, command: str = "", model_name: str = "",
                  only: list[str] | None = None, report: Path | None = None,
-                 long_from: int | None = None) -> list[dict]:
+                 long_from: int | None = None, kinds: tuple[str, ...] = ("passkey", "kv")) -> list[dict]:
     """Measure every row; `long_rows` (names): the only rows measured at retrieval lengths
     >= `long_from` (long contexts are slow on a CPU; None: every row at every length)."""
     out.mkdir(parents=True, exist_ok=True)
     meas = Measurement(model, tokenizer, tokens, text_lengths, n_text, retrieval_lengths, n_retrieval,
-                       tail=tail, progress=progress)
+                       tail=tail, progress=progress, kinds=kinds)
     init = initial_indexer(model, seed)
     table = rows(model, init)
     if only:
@@ -109,6 +109,7 @@ def run_ablation(model, tokenizer, tokens, out: Path, text_lengths, n_text, retr
         meta = {"model": model_name, "command": command, "wall_s": time.time() - t0,
                 "text_lengths": text_lengths, "text_samples": n_text, "tail": tail,
                 "retrieval_lengths": retrieval_lengths, "retrieval_samples": n_retrieval,
+                "retrieval_kinds": list(kinds),
                 "threads": torch.get_num_threads()}
         (out / "fidelity.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=2) + "\n")
         from cedlm.eval.fidelity_report import write_report

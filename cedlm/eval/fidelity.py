@@ -121,14 +121,15 @@ def text_samples(tokens: np.ndarray, length: int, n: int) -> list[torch.Tensor]:
     return [torch.as_tensor(np.asarray(tokens[s: s + length], dtype=np.int64)) for s in starts]
 
 
-def retrieval_samples(tokens: np.ndarray, tokenizer, length: int, n: int, seed: int = 0):
-    """n items alternating passkey / kv, records at depths spread over [0.05, 0.75] of the
-    context -> [(ids [L], answer length)]."""
+def retrieval_samples(tokens: np.ndarray, tokenizer, length: int, n: int, seed: int = 0,
+                      kinds: tuple[str, ...] = ("passkey", "kv")):
+    """n items cycling through `kinds` (passkey / kv), records at depths spread over [0.05, 0.75]
+    of the context -> [(ids [L], answer length)]."""
     rng = np.random.Generator(np.random.PCG64(seed + length))
     depths = np.linspace(0.05, 0.75, n) if n > 1 else [0.4]
     out = []
     for i, d in enumerate(depths):
-        ids, n_ans = eval_sample(rng, tokens, tokenizer, length, ("passkey", "kv")[i % 2], float(d))
+        ids, n_ans = eval_sample(rng, tokens, tokenizer, length, kinds[i % len(kinds)], float(d))
         out.append((torch.as_tensor(ids), n_ans))
     return out
 
@@ -138,11 +139,13 @@ class Measurement:
 
     def __init__(self, base, tokenizer, tokens: np.ndarray, text_lengths: list[int], n_text: int,
                  retrieval_lengths: list[int], n_retrieval: dict[int, int] | int, tail: int = 128,
-                 chunk: int = 256, progress: bool = False, ref: Setting | None = None):
+                 chunk: int = 256, progress: bool = False, ref: Setting | None = None,
+                 kinds: tuple[str, ...] = ("passkey", "kv")):
         self.base, self.tok, self.chunk, self.progress = base, tokenizer, chunk, progress
         self.text = {L: text_samples(tokens, L, n_text) for L in text_lengths}
         nr = n_retrieval if isinstance(n_retrieval, dict) else {L: n_retrieval for L in retrieval_lengths}
-        self.retr = {L: retrieval_samples(tokens, tokenizer, L, nr[L]) for L in retrieval_lengths if nr.get(L)}
+        self.retr = {L: retrieval_samples(tokens, tokenizer, L, nr[L], kinds=kinds) for L in retrieval_lengths if nr.get(L)}
+        self.kinds = tuple(kinds)
         self.tail = {L: min(tail, L // 4) for L in text_lengths}
         self.ref_setting = ref or reference()
         self._ref: dict | None = None
@@ -205,6 +208,7 @@ class Measurement:
         return {**setting.describe(), **_summary(tot), "per_length": per_len, "retrieval": retrieval,
                 "answer_nll": answer_nll, "answer_token_acc": answer_acc,
                 "retrieval_samples": {str(L): len(v) for L, v in self.retr.items() if L not in skip_retrieval},
+                "retrieval_kinds": list(self.kinds),
                 "text_samples": {str(L): len(v) for L, v in self.text.items()},
                 "bytes_per_token": bytes_per_token(m), "wall_s": time.time() - t0}
 

@@ -42,6 +42,16 @@ def _counts(s: str) -> dict[int, int]:
     return out
 
 
+def _kinds(s: str) -> tuple[str, ...]:
+    """'passkey,kv' -> ('passkey', 'kv'): the retrieval item kinds, cycled through per length."""
+    from cedlm.data.retrieval import KINDS
+    v = tuple(k.strip() for k in s.split(",") if k.strip())
+    bad = [k for k in v if k not in KINDS]
+    if not v or bad:
+        raise argparse.ArgumentTypeError(f"retrieval kinds must be among {','.join(KINDS)}: {s!r}")
+    return v
+
+
 def _value(v: str):
     for cast in (int, float):
         try:
@@ -96,7 +106,8 @@ def _fidelity(args) -> int:
                           indexer_state=initial_indexer(model, args.seed) if args.indexer_init else None)
         model.cfg.replace(**over)
         meas = Measurement(model, tok, tokens, args.lengths, args.samples, list(args.retrieval_samples),
-                           args.retrieval_samples, tail=args.tail, progress=not args.json)
+                           args.retrieval_samples, tail=args.tail, progress=not args.json,
+                           kinds=args.retrieval_kinds)
         res = meas.run(setting)
     except (UsageError, ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -152,7 +163,8 @@ def _ablate(args) -> int:
                      args.retrieval_samples or {1024: 4, 4096: 2}, long_rows=long_rows,
                      tail=args.tail or 128, progress=True, seed=args.seed, command=command,
                      model_name=name, only=args.only,
-                     report=Path(args.report) if args.report else None, long_from=args.long_from)
+                     report=Path(args.report) if args.report else None, long_from=args.long_from,
+                     kinds=args.retrieval_kinds)
     except (UsageError, ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -167,6 +179,8 @@ def _common(q: argparse.ArgumentParser) -> None:
     q.add_argument("--samples", type=int, help="text samples per length")
     q.add_argument("--retrieval-samples", type=_counts, metavar="L:N,...",
                    help="retrieval items per context length, e.g. 1024:4,4096:2,16384:1")
+    q.add_argument("--retrieval-kinds", type=_kinds, default=("passkey", "kv"), metavar="KIND,...",
+                   help="retrieval item kinds, cycled through: passkey, kv (default passkey,kv)")
     q.add_argument("--tail", type=int, help="scored tokens at the end of each text sample (default 128)")
     q.add_argument("--threads", type=int, help="torch threads")
     q.add_argument("--seed", type=int, default=1337, help="seed of the indexer-at-initialisation build")

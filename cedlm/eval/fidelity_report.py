@@ -39,6 +39,11 @@ def _config(r: dict) -> str:
     return ", ".join(parts) or "model's own config"
 
 
+def _kinds_text(meta: dict) -> str:
+    names = {"passkey": "passkey", "kv": "key-value"}
+    return " / ".join(names[k] for k in meta.get("retrieval_kinds", ("passkey", "kv")))
+
+
 def write_report(out: Path, meta: dict, rows: list[dict], cfg, not_measured, report: Path | None = None,
                  notes: str = "") -> Path:
     """Plots into `out`; the markdown to `report` (default OUT/FIDELITY.md), linking them."""
@@ -85,7 +90,7 @@ same tokens. All runs use the inference path (byte caches).
   (at most a quarter of the sequence) of {n_text} from the validation split; **Δppl**:
   perplexity of the same tokens against the reference's ({ref['ref_ppl']:.2f});
   **top-1**: share of those tokens whose argmax equals the reference's.
-- **retr@L**: share of passkey / key-value items answered exactly (teacher-forced argmax on every
+- **retr@L**: share of {_kinds_text(meta)} items answered exactly (teacher-forced argmax on every
   answer token) in L-token contexts of real text; records sit at depths 5–75 % of the context,
   i.e. beyond the {cfg.sliding_window}-token window. Samples: {n_retr} ("–": not run at that
   length, see below).

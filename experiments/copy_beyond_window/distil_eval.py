@@ -30,6 +30,9 @@ ap.add_argument("gap", nargs="?", type=int, default=48)
 ap.add_argument("--layout", default="far", choices=["far", "recall", "passkey"])
 ap.add_argument("--gaps", type=int, nargs="*", default=None, help="recall: filler lengths scored (default: GAP)")
 ap.add_argument("--batches", type=int, default=8)
+ap.add_argument("--save-checkpoints", metavar="DIR", default=None,
+                help="write DIR/init (the model as trained, indexer at initialisation) and DIR/distilled "
+                     "as cedlm checkpoints, for `cedlm eval fidelity / ablate --model DIR/...`")
 ap.add_argument("--filler", default=None, choices=["random", "text"], help="recall: default as the checkpoint was trained")
 ap.add_argument("--pairs", type=int, default=None, help="recall: default as the checkpoint was trained, else 8")
 ap.add_argument("--train-gaps", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
@@ -104,6 +107,16 @@ def evaluate(tag, probe_dense: bool, n=args.batches):
     return out
 
 
+def save_checkpoint(name):
+    if args.save_checkpoints:
+        from cedlm.checkpoint import save_checkpoint as save
+        from cedlm.text.tokenizer import load_tokenizer
+        save(os.path.join(args.save_checkpoints, name), model, load_tokenizer(),
+             training_args={"experiment": "copy_beyond_window", "from": args.ckpt, "indexer": name,
+                            "distil_steps": steps if name == "distilled" else 0, "layout": args.layout})
+
+
+save_checkpoint("init")
 rows = [evaluate("dense: every visible entry", True), evaluate("sparse top-k, indexer at initialisation", False)]
 # distillation: the dense warm-up recipe (KL of the indexer's scores to the attention over every
 # visible entry), indexer weights only; training batches draw the gap like the checkpoint's run
@@ -134,6 +147,7 @@ if text is not None:
     text = val_text
 main_same = all(torch.equal(v, init_state[k]) for k, v in model.state_dict().items() if ".indexer." not in k)
 rows.append(evaluate("sparse top-k, indexer distilled", False))
+save_checkpoint("distilled")
 json.dump({"rows": rows, "distil_steps": steps, "distil_s": time.time() - t0, "main_weights_unchanged": main_same,
            "index_topk": cfg.index_topk, "window": W, "layout": args.layout, "gaps": GAPS, "pairs": PAIRS,
            "L": L, "gap": GAP, "blocks": BLOCKS}, open(args.out, "w"), indent=1)
