@@ -1,9 +1,10 @@
 """`cedlm eval fidelity` (one configuration against the reference) and `cedlm eval ablate` (the
 fidelity table, FIDELITY.md). See `cedlm.eval.fidelity` and `cedlm.eval.ablate`.
 
-    cedlm eval fidelity --model runs/indexer --set main_kv_format=kv_fp4 --json
-    cedlm eval ablate --model runs/indexer --out docs/fidelity --report FIDELITY.md \\
-        --lengths 1024 --samples 2 --retrieval-samples 1024:4,4096:2,16384:1
+    cedlm eval fidelity --set main_kv_format=kv_fp4 --json          # the shipped model
+    cedlm eval fidelity --retrieval-samples 16384:2 --retrieval-kinds passkey --indexer-init
+    cedlm eval ablate --model cedlm/assets/model --out docs/fidelity --report FIDELITY.md \\
+        --lengths 1024,2048 --samples 16 --retrieval-samples 256:8,1024:4,4096:2
     cedlm eval ablate --quick --out /tmp/fid          # tiny preset, seconds (CI)
 """
 from __future__ import annotations
