@@ -7,8 +7,9 @@ Rows: dense selection (every visible entry), sparse top-k with the indexer at in
 sparse top-k after distilling the indexer (`cedlm train indexer`'s phase 1, indexer weights only).
 Layout "far" (default) scores the second copy of the far layout at GAP; "recall" scores the
 query part's values at each of --gaps (filler as the checkpoint was trained with); "passkey"
-scores the answer of a passkey item in corpus text whose record ends --gaps filler tokens before
-the query (validation text; distillation on training text, gaps drawn as in the checkpoint's run).
+scores the answer of a passkey item in corpus text at each gap setting of --gaps (`tasks.passkey`:
+about 0.9 x the setting in filler tokens between record and query; validation text; distillation
+on training text, gaps drawn as in the checkpoint's run).
 """
 import argparse, copy, json, os, sys, time
 import numpy as np

@@ -37,7 +37,7 @@ w = 0.8 / len(ev["rows"])
 for i, row in enumerate(ev["rows"]):
     ax.bar([j + i * w for j in range(len(gaps))], [row["by_gap"][g]["exact"] for g in gaps], w, label=row["row"])
 ax.set_xticks([j + w * (len(ev["rows"]) - 1) / 2 for j in range(len(gaps))], gaps)
-ax.set(xlabel=f"filler tokens between the record and the query (window {ev['window']})",
+ax.set(xlabel=f"gap setting G (about 0.9 G filler tokens between record and query; window {ev['window']})",
        ylabel="passkey items answered exactly", ylim=(0, 1))
 ax.legend(fontsize=8)
 ax.grid(alpha=0.3, axis="y")

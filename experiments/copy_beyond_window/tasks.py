@@ -64,15 +64,17 @@ def recall(g: torch.Generator, B: int, pairs: int, gap: int, lo: int, hi: int,
 def passkey(rng, B: int, length: int, min_gap: int, tokens, tokenizer, max_gap: int | None = None):
     """Passkey retrieval in real text (`cedlm.data.retrieval.eval_sample`, kind passkey): `length`
     tokens of corpus filler with one record " The pass key is N. Remember it. N is the pass key. "
-    and, at the end, the query " What is the pass key? The pass key is" and the answer " N". The
-    record sits min_gap..max_gap filler tokens before the query (beyond a 32-token window for
-    min_gap >= 32). rng: a numpy Generator; tokens: corpus token ids. `first` = every target that
-    is not an answer token (the language-modelling targets), `second` = the answer tokens."""
+    and, at the end, the query " What is the pass key? The pass key is" and the answer " N". A gap
+    G drawn in min_gap..max_gap puts the record at depth 1 - G / (length - 30) of the filler; the
+    filler is shorter than length - 30 (about 90 tokens at length 128), so about 0.9 G filler tokens
+    separate the record from the query (measured at 128: G = 16 / 48 / 80 -> 14 / 43 / 71). rng: a
+    numpy Generator; tokens: corpus token ids. `first` = every target that is not an answer token
+    (the language-modelling targets), `second` = the answer tokens."""
     import numpy as np
     from cedlm.data.retrieval import eval_sample
     seqs, second = [], torch.zeros(B, length, dtype=torch.bool)
     for b in range(B):
-        # eval_sample places the record at depth * n_fill; n_fill ~ length - 30 (record, query, answer)
+        # eval_sample places the record at depth * its real filler length; length - 30 overestimates it
         n_fill = length - 30
         hi = n_fill if max_gap is None else min(n_fill, max_gap)
         gap = int(rng.integers(min_gap, hi + 1))
