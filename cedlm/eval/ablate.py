@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from cedlm.data.retrieval import KINDS
 from cedlm.eval.fidelity import REFERENCE, Measurement, Setting, reference
 
 NOT_MEASURED = [("CSA2 sharing -> every compressed layer its own Full source",
@@ -85,7 +86,7 @@ def run_ablation(model, tokenizer, tokens, out: Path, text_lengths, n_text, retr
                  n_retrieval: dict, long_rows: set[str] | None = None, tail: int = 128,
                  progress: bool = True, seed: int = 1337, command: str = "", model_name: str = "",
                  only: list[str] | None = None, report: Path | None = None,
-                 long_from: int | None = None, kinds: tuple[str, ...] = ("passkey", "kv")) -> list[dict]:
+                 long_from: int | None = None, kinds: tuple[str, ...] = KINDS) -> list[dict]:
     """Measure every row; `long_rows` (names): the only rows measured at retrieval lengths
     >= `long_from` (long contexts are slow on a CPU; None: every row at every length)."""
     out.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from cedlm.checkpoint import set_token_map
-from cedlm.data.retrieval import eval_sample
+from cedlm.data.retrieval import KINDS, eval_sample
 from cedlm.kv_layout import KVLayout
 from cedlm.model import build_model
 from cedlm.model.replay import persisted_copy
@@ -122,7 +122,7 @@ def text_samples(tokens: np.ndarray, length: int, n: int) -> list[torch.Tensor]:
 
 
 def retrieval_samples(tokens: np.ndarray, tokenizer, length: int, n: int, seed: int = 0,
-                      kinds: tuple[str, ...] = ("passkey", "kv")):
+                      kinds: tuple[str, ...] = KINDS):
     """n items cycling through `kinds` (passkey / kv), records at depths spread over [0.05, 0.75]
     of the context -> [(ids [L], answer length)]."""
     rng = np.random.Generator(np.random.PCG64(seed + length))
@@ -140,7 +140,7 @@ class Measurement:
     def __init__(self, base, tokenizer, tokens: np.ndarray, text_lengths: list[int], n_text: int,
                  retrieval_lengths: list[int], n_retrieval: dict[int, int] | int, tail: int = 128,
                  chunk: int = 256, progress: bool = False, ref: Setting | None = None,
-                 kinds: tuple[str, ...] = ("passkey", "kv")):
+                 kinds: tuple[str, ...] = KINDS):
         self.base, self.tok, self.chunk, self.progress = base, tokenizer, chunk, progress
         self.text = {L: text_samples(tokens, L, n_text) for L in text_lengths}
         nr = n_retrieval if isinstance(n_retrieval, dict) else {L: n_retrieval for L in retrieval_lengths}

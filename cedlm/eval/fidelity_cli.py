@@ -15,6 +15,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from cedlm.data.retrieval import KINDS
+
 QUICK = dict(model="tiny", lengths=[128], samples=1, retrieval={128: 1}, tail=32)
 
 
@@ -45,7 +47,6 @@ def _counts(s: str) -> dict[int, int]:
 
 def _kinds(s: str) -> tuple[str, ...]:
     """'passkey,kv' -> ('passkey', 'kv'): the retrieval item kinds, cycled through per length."""
-    from cedlm.data.retrieval import KINDS
     v = tuple(k.strip() for k in s.split(",") if k.strip())
     bad = [k for k in v if k not in KINDS]
     if not v or bad:
@@ -180,8 +181,8 @@ def _common(q: argparse.ArgumentParser) -> None:
     q.add_argument("--samples", type=int, help="text samples per length")
     q.add_argument("--retrieval-samples", type=_counts, metavar="L:N,...",
                    help="retrieval items per context length, e.g. 1024:4,4096:2,16384:1")
-    q.add_argument("--retrieval-kinds", type=_kinds, default=("passkey", "kv"), metavar="KIND,...",
-                   help="retrieval item kinds, cycled through: passkey, kv (default passkey,kv)")
+    q.add_argument("--retrieval-kinds", type=_kinds, default=KINDS, metavar="KIND,...",
+                   help=f"retrieval item kinds, cycled through (default {','.join(KINDS)})")
     q.add_argument("--tail", type=int, help="scored tokens at the end of each text sample (default 128)")
     q.add_argument("--threads", type=int, help="torch threads")
     q.add_argument("--seed", type=int, default=1337, help="seed of the indexer-at-initialisation build")

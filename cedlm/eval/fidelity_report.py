@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from cedlm.data.retrieval import KINDS
+
 GOAL_KL, GOAL_PPL = 0.01, 1.0          # nats; percent
 
 
@@ -41,7 +43,7 @@ def _config(r: dict) -> str:
 
 def _kinds_text(meta: dict) -> str:
     names = {"passkey": "passkey", "kv": "key-value"}
-    return " / ".join(names[k] for k in meta.get("retrieval_kinds", ("passkey", "kv")))
+    return " / ".join(names[k] for k in meta.get("retrieval_kinds", KINDS))
 
 
 def write_report(out: Path, meta: dict, rows: list[dict], cfg, not_measured, report: Path | None = None,
