@@ -1,0 +1,167 @@
+"""Shape checks of request values, run by the request models' validators before pydantic's own
+typing: body-wide checks (valid Unicode, nesting depth), content parts, tool calls, reasoning
+effort, ``response_format``, ``structured_outputs`` and ``logit_bias``. Each raises a
+``ValueError`` naming the field."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from cedlm.server.protocol.params import EFFORT_TIERS, MAX_DEPTH, MAX_LOGIT_BIAS
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _where(path: list) -> str:
+    return ".".join(str(p) for p in path) or "request body"
+
+
+def check_body(body: Any) -> None:
+    """Reject strings (values or keys) holding a lone UTF-16 surrogate, and nesting deeper than
+    ``MAX_DEPTH``, naming where."""
+    def bad(path: tuple) -> ValueError:
+        return ValueError(f"{_where(list(path))}: contains an unpaired surrogate (e.g. a lone \\ud800 "
+                          f"escape); strings must be valid Unicode")
+
+    if isinstance(body, str):
+        if _SURROGATE.search(body):
+            raise bad(())
+        return
+    stack = [(body, ())]
+    while stack:                                # iterative: nesting depth costs no recursion
+        v, path = stack.pop()
+        if isinstance(v, dict):
+            items = v.items()
+        elif isinstance(v, list):
+            items = enumerate(v)
+        else:
+            continue
+        if len(path) >= MAX_DEPTH:
+            raise ValueError(f"{_where(list(path[:3]))}: nested deeper than {MAX_DEPTH} levels")
+        for k, x in items:
+            if isinstance(k, str) and _SURROGATE.search(k):
+                raise bad(path + (k,))
+            if isinstance(x, str):
+                if _SURROGATE.search(x):
+                    raise bad(path + (k,))
+            elif isinstance(x, (dict, list)):
+                stack.append((x, path + (k,)))
+
+
+def type_name(v: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def check_parts(v: Any, where: str) -> None:
+    """Content as a list of parts: objects with a string "type"; text parts have a string "text";
+    tool_result parts have string content or a list of parts."""
+    if not isinstance(v, list):
+        raise ValueError(f"{where}: must be a string, null or an array of content parts, got {type_name(v)}")
+    for i, b in enumerate(v):
+        w = f"{where}[{i}]"
+        if not isinstance(b, dict):
+            raise ValueError(f"{w}: a content part must be an object, got {type_name(b)}")
+        t = b.get("type")
+        if not isinstance(t, str):
+            raise ValueError(f"{w}.type: must be a string")
+        if t == "text" and not isinstance(b.get("text", ""), str):
+            raise ValueError(f"{w}.text: must be a string, got {type_name(b.get('text'))}")
+        if t == "tool_result":
+            c = b.get("content", "")
+            if c is not None and not isinstance(c, str):
+                check_parts(c, f"{w}.content")
+
+
+def check_tool_call(tc: Any, where: str) -> None:
+    if not isinstance(tc, dict):
+        raise ValueError(f"{where}: a tool call must be an object, got {type_name(tc)}")
+    fn, w = (tc["function"], f"{where}.function") if "function" in tc else (tc, where)
+    if not isinstance(fn, dict):
+        raise ValueError(f"{w}: must be an object with 'name' and 'arguments', got {type_name(fn)}")
+    if not isinstance(fn.get("name"), str):
+        raise ValueError(f"{w}.name: must be a string")
+    for k in ("id",):
+        if tc.get(k) is not None and not isinstance(tc[k], str):
+            raise ValueError(f"{where}.{k}: must be a string")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise ValueError(f"{w}.arguments: must be a JSON object (as a string or an object)") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"{w}.arguments: must be a JSON object, got {type_name(args)}")
+
+
+def effort_value(v: Any, field: str, allow_tiers: bool) -> Any:
+    if v is None:
+        return None
+    if type(v) is int:
+        if 1 <= v <= 100:
+            return v
+        raise ValueError(f"{field}: integer effort must be in 1..100, got {v}")
+    if allow_tiers and isinstance(v, str) and v in EFFORT_TIERS:
+        return v
+    allowed = (", ".join(repr(k) for k in EFFORT_TIERS) + " or an integer 1..100") if allow_tiers \
+        else "an integer 1..100"
+    raise ValueError(f"{field}: {v!r} is not valid; allowed: {allowed}")
+
+
+def check_response_format(v: Any) -> Any:
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ValueError(f"response_format: must be an object, got {type_name(v)}")
+    t = v.get("type")
+    if t not in ("text", "json_object", "json_schema"):
+        raise ValueError(f"response_format.type: {t!r} is not valid; allowed: 'text', 'json_object', 'json_schema'")
+    if t == "json_schema":
+        js = v.get("json_schema")
+        if not isinstance(js, dict):
+            raise ValueError("response_format.json_schema: must be an object with 'name' and 'schema'")
+        if js.get("name") is not None and not isinstance(js["name"], str):
+            raise ValueError("response_format.json_schema.name: must be a string")
+        schema = js.get("schema", js.get("json_schema"))
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"response_format.json_schema.schema: must be a JSON schema object, "
+                             f"got {type_name(schema)}")
+        if js.get("strict") is not None and not isinstance(js["strict"], bool):
+            raise ValueError("response_format.json_schema.strict: must be a boolean")
+    return v
+
+
+def check_structured(v: Any) -> Any:
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ValueError(f"structured_outputs: must be an object, got {type_name(v)}")
+    keys = [k for k in ("json", "regex", "choice", "grammar", "json_object") if v.get(k) not in (None, False)]
+    unknown = [k for k in v if k not in ("json", "regex", "choice", "grammar", "json_object",
+                                         "disable_fallback", "disable_any_whitespace",
+                                         "disable_additional_properties", "whitespace_pattern")
+               and v[k] is not None]
+    if unknown:
+        raise ValueError(f"structured_outputs.{unknown[0]}: not supported")
+    if len(keys) != 1:
+        raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar, json_object")
+    return v
+
+
+def check_logit_bias(v: Any) -> Any:
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ValueError(f"logit_bias: must be an object mapping token ids to biases, got {type_name(v)}")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(v)}")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isdigit()):
+            raise ValueError(f"logit_bias: key {k!r} is not a token id (a non-negative integer as a string)")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
+            raise ValueError(f"logit_bias: the bias of token {k} must be a number in [-100, 100], got {b!r}")
+        out[int(k)] = float(b)
+    return out

@@ -1,0 +1,166 @@
+"""The fields both generation endpoints (chat and text completions) share: sampling, stop
+conditions, choices, structured output, and accepted-without-effect hints."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+
+from cedlm.server.protocol.checks import check_body, check_logit_bias, check_response_format, check_structured
+from cedlm.server.protocol.params import (
+    GUIDED, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
+)
+
+
+class CommonRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
+    best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
+    stream: StrictBool = False
+    stream_options: "StreamOptions | None" = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    logit_bias: Any = None
+    allowed_token_ids: list[StrictInt] | None = Field(default=None, min_length=1, max_length=MAX_LOGIT_BIAS)
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # accepted, no effect on generation (as with OpenAI: tracking, routing and tier hints)
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _body(cls, data):
+        check_body(data)
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"stop: at most {MAX_STOP} stop strings, got {len(stops)}")
+        for s in stops:
+            if not s:
+                raise ValueError("stop: stop strings must not be empty")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"stop: a stop string may have at most {MAX_STOP_CHARS} characters, "
+                                 f"got {len(s)}")
+        return v
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed(cls, v):
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("allowed_token_ids: token ids must be >= 0")
+        return v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, v):
+        return check_logit_bias(v)
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _response_format(cls, v):
+        return check_response_format(v)
+
+    @field_validator("structured_outputs", mode="before")
+    @classmethod
+    def _structured(cls, v):
+        return check_structured(v)
+
+    @field_validator("service_tier")
+    @classmethod
+    def _tier(cls, v):
+        if v not in (None, "auto", "default"):
+            raise ValueError(f"service_tier: {v!r} is not available; this server has one tier ('auto' / 'default')")
+        return v
+
+    @model_validator(mode="after")
+    def _choices(self):
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise ValueError(f"best_of: must be >= n ({self.n}), got {self.best_of}")
+            if self.stream and self.best_of > self.n:
+                raise ValueError("best_of: cannot stream when best_of > n (the best are known only at the end)")
+        if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        given = [k for k in ("response_format", "structured_outputs", *GUIDED) if getattr(self, k) is not None
+                 and not (k == "response_format" and self.response_format.get("type") == "text")]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: give only one of response_format, structured_outputs, guided_* "
+                             f"(got {', '.join(given)})")
+        self.guided()                     # a JSON schema given as a string must parse
+        return self
+
+    def guided(self) -> tuple[str, str, Any] | None:
+        """The requested output constraint as (param, kind, value) with kind in json_schema,
+        json_object, regex, choice, grammar; None when unconstrained."""
+        rf = self.response_format
+        if rf is not None and rf.get("type") != "text":
+            if rf["type"] == "json_object":
+                return "response_format", "json_object", None
+            js = rf["json_schema"]
+            return "response_format", "json_schema", js.get("schema", js.get("json_schema"))
+        so = self.structured_outputs
+        if so is not None:
+            k = next(k for k in ("json", "regex", "choice", "grammar", "json_object") if so.get(k) not in (None, False))
+            kind = {"json": "json_schema"}.get(k, k)
+            v = so[k]
+            if kind == "json_schema" and isinstance(v, str):
+                try:
+                    v = json.loads(v)
+                except ValueError:
+                    raise ValueError("structured_outputs.json: not valid JSON") from None
+            return "structured_outputs", kind, v
+        for k, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                        ("guided_grammar", "grammar")):
+            v = getattr(self, k)
+            if v is not None:
+                if kind == "json_schema" and isinstance(v, str):
+                    try:
+                        v = json.loads(v)
+                    except ValueError:
+                        raise ValueError(f"{k}: not valid JSON") from None
+                return k, kind, v
+        return None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _continuous(cls, v):
+        if v:
+            raise ValueError("stream_options.continuous_usage_stats: not supported")
+        return v
+
+
+CommonRequest.model_rebuild()

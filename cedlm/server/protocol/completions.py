@@ -1,0 +1,66 @@
+"""Text completion requests (``/v1/completions``): prompts as text or token ids, scoring."""
+from __future__ import annotations
+
+from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
+
+from cedlm.server.protocol.common import CommonRequest
+from cedlm.server.protocol.params import (
+    CHAT_ONLY_REFUSED, COMPLETIONS_ONLY_REFUSED, MAX_CHOICES, MAX_PROMPTS, MAX_TOP_LOGPROBS, REFUSED, refuse,
+)
+
+PromptType = str | list[StrictInt] | list[str] | list[list[StrictInt]]
+
+
+class CompletionRequest(CommonRequest):
+    prompt: PromptType
+    max_tokens: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: StrictBool = False
+    add_special_tokens: StrictBool = True
+    return_tokens_as_token_ids: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, data):
+        refuse(data, [k for k in REFUSED if k not in CHAT_ONLY_REFUSED + COMPLETIONS_ONLY_REFUSED] + ["suffix"])
+        return data
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt: empty prompt")
+        if isinstance(v, list) and isinstance(v[0], (str, list)):
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(v)}")
+            for i, p in enumerate(v):
+                if isinstance(p, list) and not p:
+                    raise ValueError(f"prompt[{i}]: empty prompt")
+        return v
+
+    @model_validator(mode="after")
+    def _zero(self):
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise ValueError("max_tokens: 0 is allowed only to score the prompt (with echo=true or prompt_logprobs)")
+        if self.max_tokens == 0 and self.min_tokens:
+            raise ValueError("min_tokens: must be 0 when max_tokens is 0")
+        n = len(self.prompts()) * max(self.n, self.best_of or 1)
+        if n > MAX_CHOICES:
+            raise ValueError(f"n: {len(self.prompts())} prompts x {max(self.n, self.best_of or 1)} samples is "
+                             f"{n} sequences; at most {MAX_CHOICES} per request")
+        if self.echo and self.best_of is not None and self.best_of > self.n:
+            raise ValueError("best_of: cannot be combined with echo when best_of > n")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per choice group (a text or a token-id list)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+
+CompletionRequest.model_rebuild()

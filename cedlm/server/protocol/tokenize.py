@@ -1,0 +1,63 @@
+"""vLLM's ``/tokenize`` and ``/detokenize``: requests and responses."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, model_validator
+
+from cedlm.server.protocol.chat import ChatTemplateFields
+from cedlm.server.protocol.checks import check_body
+from cedlm.server.protocol.params import refuse
+
+
+class TokenizeRequest(ChatTemplateFields):
+    """vLLM's /tokenize: ``{"model", "prompt"}`` (a text; ``add_special_tokens`` default true:
+    a BOS first, as /v1/completions does) or ``{"model", "messages"}`` (the V4.1 chat prompt, as
+    /v1/chat/completions encodes it; the same thinking / effort / tools fields)."""
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _body(cls, data):
+        check_body(data)
+        refuse(data, ["continue_final_message", "chat_template", "documents"])
+        return data
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of 'prompt' (a text) or 'messages'")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages: must not be empty")
+        if self.messages is not None and not self.add_generation_prompt:
+            raise ValueError("add_generation_prompt: false is not supported (the V4.1 encoding always ends "
+                             "with the assistant prefix)")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[StrictInt]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _body(cls, data):
+        check_body(data)
+        return data
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+TokenizeRequest.model_rebuild()
