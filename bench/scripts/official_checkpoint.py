@@ -88,7 +88,7 @@ def keep_quantised_price(official: Path) -> dict:
     f32_bytes = sum(4 * math.prod(e.shape) for e in quant)
     # Pre-read the stored tensors (resident), then time dequantising all of them once.
     with ExitStack() as st:
-        r = OL._Reader(st)
+        r = OL.ShardReader(st)
         held = [(e, r.slice(e.weight, 0, e.weight.shape[0]), r.slice(e.scale, 0, e.scale.shape[0]))
                 for e in quant]
     from cedlm.official.dequant import dequant_fp4, dequant_fp8_block

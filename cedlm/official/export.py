@@ -32,7 +32,7 @@ from cedlm.official import layout as L
 from cedlm.official.dequant import (BLOCK, block_scale_shape, dequant_fp4, dequant_fp8_block,
                                     fp4_packed_shape, fp4_scale_shape, quant_fp4, quant_fp8_block,
                                     quant_fp8_rows, rows_scale_shape)
-from cedlm.official.load import INDEX_NAME
+from cedlm.official.headers import INDEX_NAME
 
 DEFAULT_SHARD_BYTES = 5 << 30
 _ROW_CHUNK_ELEMS = 1 << 24
