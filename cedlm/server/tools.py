@@ -24,7 +24,8 @@ import re
 import uuid
 from typing import Any
 
-from cedlm.text.chat import DSML, _INVOKE, parse_tool_calls
+from cedlm.text.chat_tools import INVOKE, parse_tool_calls
+from cedlm.text.special_tokens import DSML
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 CALLS_OPEN = f"<{DSML} calls>"
@@ -221,7 +222,7 @@ class DSMLStream:
         if self.calls_at < 0:
             return []
         _, calls = parse_tool_calls(self.text[self.calls_at:])
-        done = len(_INVOKE.findall(self.text[self.calls_at:]))
+        done = len(INVOKE.findall(self.text[self.calls_at:]))
         calls = calls[:done]
         if not self.parallel:
             calls = calls[:1]

@@ -21,16 +21,19 @@ Control tokens come only from this encoder. ``encode_chat_parts`` returns the sa
 reasoning, tool calls and schemas, tool results); ``encode_chat_ids`` tokenizes those pieces as
 plain text (special-token strings typed in them stay text), so a message can never forge a role,
 ``</think>`` or EOS token. Malformed messages raise ``ValueError`` naming the message and field.
+
+The tool markup (schemas block, calls block, ``parse_tool_calls``) lives in ``chat_tools`` and the
+tokenizing of prompt pieces (``tokenize_parts``) in ``chat_tokens``; both are re-exported here.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import re
-import weakref
-from typing import Any
 
+from cedlm.text.chat_tokens import tokenize_parts
+from cedlm.text.chat_tools import (TOOLS_TEMPLATE, check_tool_list, dump_json,  # noqa: F401
+                                   parse_tool_calls, render_tool_calls, render_tools, tool_calls_parts,
+                                   tools_parts, unpack_call)
 from cedlm.text.special_tokens import (ASSISTANT, BOS, DSML, EOS, IMAGE_TOKEN,  # noqa: F401
                                       LATEST_REMINDER, SYSTEM, TASK_TOKENS, THINK_END, THINK_START,
                                       USER)
@@ -39,33 +42,7 @@ EFFORT_LEVELS = {"low": 50, "high": 75, "xhigh": 75, "max": 100}
 DEFAULT_EFFORT = "high"
 EFFORT_TEMPLATE = "Reasoning Effort: {n} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 
-TOOLS_TEMPLATE = (
-    "## Tools\n\n"
-    "You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "
-    '"<{d} calls>" block like the following:\n\n'
-    "<{d} calls>\n"
-    '<{d} invoke name="$TOOL_NAME">\n'
-    '<{d} parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{d} parameter>\n'
-    "...\n"
-    "</{d} invoke>\n"
-    '<{d} invoke name="$TOOL_NAME2">\n'
-    "...\n"
-    "</{d} invoke>\n"
-    "</{d} calls>\n\n"
-    'String parameters should be specified as is and set `string="true"`. For all other types (numbers, '
-    'booleans, arrays, objects), pass the value in JSON format and set `string="false"`.\n\n'
-    "If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside "
-    "<think>...</think> BEFORE any tool calls or final response.\n\n"
-    "Otherwise, output directly after </think> with tool calls or final response.\n\n"
-    "### Available Tool Schemas\n\n"
-    "{schemas}\n\n"
-    "You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
-)
 RESPONSE_FORMAT_TEMPLATE = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{schema}"
-
-
-def _json(v: Any) -> str:
-    return json.dumps(v, ensure_ascii=False)
 
 
 # ----------------------------------------------------------------------------- effort
@@ -88,83 +65,6 @@ def resolve_effort(reasoning_effort: str | int | None) -> int | None:
         f"invalid reasoning_effort {reasoning_effort!r}: allowed values are "
         f"{', '.join(repr(k) for k in [*EFFORT_LEVELS, 'none'])}, None, or an int in 1..100"
     )
-
-
-# ----------------------------------------------------------------------------- tools
-
-
-def _function(tool: dict) -> dict:
-    if not isinstance(tool, dict):
-        raise ValueError(f"tools: each tool must be an object, got {type(tool).__name__}")
-    fn = tool["function"] if tool.get("type") == "function" and "function" in tool else tool
-    if not isinstance(fn, dict):
-        raise ValueError(f"tools: 'function' must be an object, got {type(fn).__name__}")
-    return fn
-
-
-def _tool_list(tools) -> list:
-    if not isinstance(tools, list):
-        raise ValueError(f"tools: must be a list of tool objects, got {type(tools).__name__}")
-    return tools
-
-
-_TOOLS_HEAD, _TOOLS_TAIL = TOOLS_TEMPLATE.split("{schemas}")
-
-
-def _tools_parts(tools: list[dict]) -> list[tuple[str, bool]]:
-    schemas = "\n".join(_json(_function(t)) for t in _tool_list(tools))
-    return [(_TOOLS_HEAD.format(d=DSML), False), (schemas, True), (_TOOLS_TAIL, False)]
-
-
-def render_tools(tools: list[dict]) -> str:
-    """The tools instruction block with one JSON schema per line."""
-    return "".join(t for t, _ in _tools_parts(tools))
-
-
-def _call(tc: dict) -> tuple[str, Any, str]:
-    if not isinstance(tc, dict):
-        raise ValueError(f"tool_calls: each tool call must be an object, got {type(tc).__name__}")
-    fn = tc.get("function", tc)
-    if not isinstance(fn, dict):
-        raise ValueError(f"tool_calls: 'function' must be an object, got {type(fn).__name__}")
-    name, cid = fn.get("name"), tc.get("id") or fn.get("id") or ""
-    if not isinstance(name, str) or not isinstance(cid, str):
-        raise ValueError("tool_calls: 'function.name' and 'id' must be strings")
-    return name, fn.get("arguments", {}), cid
-
-
-def _tool_calls_parts(tool_calls: list[dict]) -> list[tuple[str, bool]]:
-    """``<｜DSML｜ calls>`` block as prompt pieces: the markup is the encoder's, names and values
-    are message text."""
-    if not isinstance(tool_calls, list):
-        raise ValueError("tool_calls: must be a list")
-    out: list[tuple[str, bool]] = [(f"<{DSML} calls>\n", False)]
-    for j, tc in enumerate(tool_calls):
-        name, args, _ = _call(tc)
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                raise ValueError("tool_calls: 'function.arguments' is not valid JSON") from None
-        if not isinstance(args, dict):
-            raise ValueError("tool call arguments must be a JSON object")
-        if j:
-            out.append(("\n", False))
-        out += [(f'<{DSML} invoke name="', False), (name, True), ('">\n', False)]
-        for k, (key, v) in enumerate(args.items()):
-            if k:
-                out.append(("\n", False))
-            out += [(f'<{DSML} parameter name="', False), (key, True),
-                    (f'" string="{"true" if isinstance(v, str) else "false"}">', False),
-                    (v if isinstance(v, str) else _json(v), True), (f"</{DSML} parameter>", False)]
-        out.append((f"\n</{DSML} invoke>", False))
-    out.append((f"\n</{DSML} calls>", False))
-    return out
-
-
-def render_tool_calls(tool_calls: list[dict]) -> str:
-    """``<｜DSML｜ calls>`` block (without the leading blank line) for OpenAI-style or bare calls."""
-    return "".join(t for t, _ in _tool_calls_parts(tool_calls))
 
 
 # ----------------------------------------------------------------------------- preprocessing
@@ -234,8 +134,8 @@ def _merge_tools(messages: list[dict]) -> list[dict]:
         if role == "assistant" and m.get("tool_calls"):
             order = {}
             for i, tc in enumerate(m["tool_calls"]):
-                if _call(tc)[2]:
-                    order[_call(tc)[2]] = i
+                if unpack_call(tc)[2]:
+                    order[unpack_call(tc)[2]] = i
         if role == "tool":
             block = {"type": "tool_result", "tool_use_id": m.get("tool_call_id", ""), "content": m.get("content", "")}
             if out and out[-1].get("role") == "user" and "blocks" in out[-1]:
@@ -318,10 +218,10 @@ def _render(i: int, msgs: list[dict], thinking: bool, drop: bool, effort: int) -
     if role in ("system", "developer"):
         extra: list[tuple[str, bool]] = []
         if m.get("tools"):
-            extra += [("\n\n", False)] + _tools_parts(m["tools"])
+            extra += [("\n\n", False)] + tools_parts(m["tools"])
         if m.get("response_format"):
             head, tail = RESPONSE_FORMAT_TEMPLATE.split("{schema}")
-            extra += [("\n\n" + head, False), (_json(m["response_format"]), True), (tail, False)]
+            extra += [("\n\n" + head, False), (dump_json(m["response_format"]), True), (tail, False)]
         content = _content_parts(m)
         if role == "system":
             out += ([(SYSTEM, False)] if i > 0 else []) + content + extra
@@ -339,7 +239,7 @@ def _render(i: int, msgs: list[dict], thinking: bool, drop: bool, effort: int) -
             out += [(_text_of(m.get("reasoning_content"), "reasoning_content"), True), (THINK_END, False)]
         out += _content_parts(m)
         if m.get("tool_calls"):
-            out += [("\n\n", False)] + _tool_calls_parts(m["tool_calls"])
+            out += [("\n\n", False)] + tool_calls_parts(m["tool_calls"])
         if not m.get("wo_eos"):
             out.append((EOS, False))
     elif role == "tool":  # pragma: no cover - merged away before rendering
@@ -404,7 +304,7 @@ def encode_chat_parts(
     _check_messages(messages)
     msgs = [dict(m) for m in messages]
     if tools:
-        _tool_list(tools)
+        check_tool_list(tools)
         sys_idx = next((k for k, m in enumerate(msgs) if m.get("role") == "system"), None)
         if sys_idx is None:
             msgs.insert(0, {"role": "system", "content": ""})
@@ -439,53 +339,6 @@ def encode_chat(
                                                    drop_thinking, tools, add_bos))
 
 
-_CONTROL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _control_table(tokenizer):
-    """(added token -> id, a regex matching them (longest first) or None, every control id)."""
-    got = _CONTROL.get(tokenizer)
-    if got is None:
-        added = dict(tokenizer.added_tokens)
-        ctl = re.compile("|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))) if added else None
-        got = _CONTROL[tokenizer] = (added, ctl, set(added.values()) | set(tokenizer.special_ids.values()))
-    return got
-
-
-def tokenize_parts(parts: list[tuple[str, bool]], tokenizer) -> list[int]:
-    """Token ids of ``encode_chat_parts`` pieces with a ``cedlm.text.tokenizer.Tokenizer``.
-
-    The encoder's markup is matched against the tokenizer's added tokens (so ``<｜User｜>`` there is
-    its control token); message text never is: runs of text between control tokens are encoded
-    with ``tokenizer.encode_plain``. Without special-token strings in the messages the ids equal
-    ``tokenizer.encode(encode_chat(...))``."""
-    added, ctl, control_ids = _control_table(tokenizer)
-    ids: list[int] = []
-    run: list[str] = []
-
-    def flush() -> None:
-        if run:
-            got = tokenizer.encode_plain("".join(run))
-            if control_ids.intersection(got):   # the vocabulary can spell a control token: refuse
-                raise ValueError("messages: text in the messages encodes to a control token")
-            ids.extend(got)
-            run.clear()
-
-    for text, is_content in parts:
-        if is_content or ctl is None:
-            run.append(text)
-            continue
-        pos = 0
-        for mt in ctl.finditer(text):
-            run.append(text[pos:mt.start()])
-            flush()
-            ids.append(added[mt.group()])
-            pos = mt.end()
-        run.append(text[pos:])
-    flush()
-    return ids
-
-
 def encode_chat_ids(messages: list[dict], tokenizer, thinking_mode: str = "chat",
                     reasoning_effort: str | int | None = None, drop_thinking: bool = True,
                     tools: list[dict] | None = None, add_bos: bool = True) -> list[int]:
@@ -495,9 +348,6 @@ def encode_chat_ids(messages: list[dict], tokenizer, thinking_mode: str = "chat"
 
 
 # ----------------------------------------------------------------------------- parsing responses
-
-_INVOKE = re.compile(rf'<{DSML} invoke name="([^"]*)">\n?(.*?)</{DSML} invoke>', re.S)
-_PARAM = re.compile(rf'<{DSML} parameter name="([^"]*)" string="(true|false)">(.*?)</{DSML} parameter>', re.S)
 
 
 def parse_assistant(text: str, thinking: bool = False) -> tuple[str, str]:
@@ -514,24 +364,3 @@ def parse_assistant(text: str, thinking: bool = False) -> tuple[str, str]:
         reasoning, content = text.split(THINK_END, 1)
         return reasoning, content
     return (text, "") if thinking else ("", text)
-
-
-def parse_tool_calls(content: str) -> tuple[str, list[dict]]:
-    """Split content into the text before a ``<｜DSML｜ calls>`` block and OpenAI-style tool calls
-    (``arguments`` as a JSON string; ``string="false"`` values are parsed as JSON)."""
-    start = content.find(f"<{DSML} calls>")
-    if start < 0:
-        return content, []
-    calls = []
-    for name, body in _INVOKE.findall(content[start:]):
-        args = {}
-        for key, is_str, value in _PARAM.findall(body):
-            if is_str == "true":
-                args[key] = value
-            else:
-                try:
-                    args[key] = json.loads(value)
-                except ValueError:
-                    args[key] = value
-        calls.append({"type": "function", "function": {"name": name, "arguments": _json(args)}})
-    return content[:start].rstrip("\n"), calls
