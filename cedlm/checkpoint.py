@@ -18,9 +18,6 @@ from the checkpoint's tokenizer (`set_token_map`: the map named by the config's 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -32,6 +29,7 @@ from cedlm.model.model import CEDModel
 from cedlm.official import is_official_layout, load_official_model
 from cedlm.text.engram_map import engram_token_map
 from cedlm.text.tokenizer import load_tokenizer
+from cedlm.util import atomic_directory
 
 CHECKPOINT_NAME = "checkpoint"
 TRAINING_STATE = "training_state.pt"
@@ -49,11 +47,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def save_checkpoint(path: str | Path, model: CEDModel, tokenizer, training_state: dict | None = None,
                     training_args: dict | None = None) -> Path:
-    """Write a complete checkpoint directory atomically (temp dir + rename)."""
+    """Write a complete checkpoint directory atomically (`cedlm.util.atomic_directory`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
-    try:
+    with atomic_directory(path) as tmp:
         model.cfg.save_json(tmp / "config.json")
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -62,21 +58,6 @@ def save_checkpoint(path: str | Path, model: CEDModel, tokenizer, training_state
             torch.save(training_state, tmp / TRAINING_STATE)
         if training_args is not None:
             (tmp / "training_args.json").write_text(json.dumps(training_args, indent=2) + "\n")
-        mask = os.umask(0)
-        os.umask(mask)
-        for f in tmp.iterdir():                 # mkstemp/mkdtemp create owner-only files
-            os.chmod(f, 0o666 & ~mask)
-        os.chmod(tmp, 0o777 & ~mask)
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 

@@ -1,7 +1,8 @@
-"""Small shared helpers (atomic file writes, seeding)."""
+"""Small shared helpers (atomic file and directory writes, seeding)."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,6 +52,40 @@ def atomic_open(path: str | Path, mode: str = "w", encoding: str | None = "utf-8
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        raise
+
+
+@contextmanager
+def atomic_directory(path: str | Path):
+    """Build a directory in a temp directory beside ``path``, then swap it in for ``path``.
+
+    Yields the temp directory (``.NAME.tmp-*``) to write into. On success its files and folders
+    get the permissions a plain ``open`` / ``mkdir`` would give them (``mkstemp`` / ``mkdtemp``
+    make them owner-only), an existing ``path`` is renamed aside, the temp directory renamed to
+    ``path`` and the old one removed: a reader sees the old directory or the new one, never a
+    half-written one. On an exception the temp directory is removed and ``path`` is left as it
+    was. Used by every writer of a model or checkpoint directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        yield tmp
+        mask = _umask()
+        for root, dirs, files in os.walk(tmp):
+            for d in dirs:
+                os.chmod(os.path.join(root, d), 0o777 & ~mask)
+            for f in files:
+                os.chmod(os.path.join(root, f), 0o666 & ~mask)
+        os.chmod(tmp, 0o777 & ~mask)
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

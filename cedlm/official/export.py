@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +31,7 @@ from cedlm.official.dequant import (BLOCK, block_scale_shape, dequant_fp4, dequa
                                     fp4_packed_shape, fp4_scale_shape, quant_fp4, quant_fp8_block,
                                     quant_fp8_rows, rows_scale_shape)
 from cedlm.official.headers import INDEX_NAME
+from cedlm.util import atomic_directory
 
 DEFAULT_SHARD_BYTES = 5 << 30
 _ROW_CHUNK_ELEMS = 1 << 24
@@ -169,7 +168,6 @@ def export_official(model: CEDModel, dst: str | Path, tokenizer=None, *,
         raise ValueError("export: the official layout holds the V4.1 CED model "
                          f"(got {type(model).__name__}, family {model.cfg.family!r})")
     dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
     tensors = _tensors(model)
     sizes = {n: stored_bytes(n, tuple(t.shape), block) for n, t in tensors.items()}
     shards = _shards(sizes, shard_bytes)
@@ -178,8 +176,7 @@ def export_official(model: CEDModel, dst: str | Path, tokenizer=None, *,
     weight_map: dict[str, str] = {}
     formats: dict[str, int] = {}
     total = 0
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.tmp-"))
-    try:
+    with atomic_directory(dst) as tmp:
         for i, names in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{n:05d}.safetensors"
             out: dict[str, torch.Tensor] = {}
@@ -202,21 +199,6 @@ def export_official(model: CEDModel, dst: str | Path, tokenizer=None, *,
             tokenizer.save(tmp)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
-        mask = os.umask(0)
-        os.umask(mask)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~mask)
-        os.chmod(tmp, 0o777 & ~mask)
-        if dst.exists():
-            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return ExportReport(str(dst), n, len(weight_map), total, formats, errors.result())
 
 
