@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from cedlm.train.stage import flag_adder
+from cedlm.util import atomic_directory
 
 NAME = "dspark"
 PREFIX = "dspark_"
@@ -165,18 +166,11 @@ def export_drafter(init_dir: Path, model, dst: Path) -> Path:
     """A model directory: the --init directory's files (the target unchanged) + mtp.safetensors."""
     from safetensors.torch import save_file
     dst = Path(dst)
-    tmp = dst.parent / f".{dst.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(init_dir, tmp, ignore=shutil.ignore_patterns("mtp.safetensors"))
-    mtp = {f"mtp.{k}": (v.to(torch.bfloat16) if v.is_floating_point() and k.endswith("weight") else v)
-           .detach().contiguous() for k, v in model.mtp.state_dict().items()}
-    save_file(mtp, str(tmp / "mtp.safetensors"), metadata={"format": "pt"})
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(tmp / "mtp.safetensors", 0o666 & ~mask)
-    if dst.exists():
-        shutil.rmtree(dst)
-    tmp.rename(dst)
+    with atomic_directory(dst) as tmp:
+        shutil.copytree(init_dir, tmp, ignore=shutil.ignore_patterns("mtp.safetensors"), dirs_exist_ok=True)
+        mtp = {f"mtp.{k}": (v.to(torch.bfloat16) if v.is_floating_point() and k.endswith("weight") else v)
+               .detach().contiguous() for k, v in model.mtp.state_dict().items()}
+        save_file(mtp, str(tmp / "mtp.safetensors"), metadata={"format": "pt"})
     return dst
 
 

@@ -20,7 +20,6 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from safetensors.torch import save_file
 
 from cedlm.checkpoint import load_model, resolve_checkpoint
 from cedlm.train.model_card import model_files, write_model_files
+from cedlm.util import atomic_directory
 
 
 def run_metadata(ckpt: Path, summary: dict | None = None) -> tuple[dict | None, dict | None]:
@@ -62,9 +62,7 @@ def export_model(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bf
     model, tok = load_model(ckpt)
     summary, training_args = run_metadata(ckpt, summary)
     dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.tmp-"))
-    try:
+    with atomic_directory(dst) as tmp:
         model.cfg.save_json(tmp / "config.json")
         state = {k: (v.to(dtype) if v.is_floating_point() and k.endswith("weight") else v).contiguous()
                  for k, v in model.state_dict().items()}
@@ -76,15 +74,6 @@ def export_model(src: str | Path, dst: str | Path, dtype: torch.dtype = torch.bf
         if summary:
             (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         write_model_files(tmp, model.cfg, tok, summary, training_args, weights="bf16")
-        for f in tmp.iterdir():              # atomic writers create owner-only (0600) files
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
 
 
