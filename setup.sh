@@ -7,8 +7,9 @@ PY=${PYTHON:-python3}
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
-# Compiled KV codecs (cedlm/quant/csrc, about a minute): optional. Without them cedlm logs one line
-# and runs the bit-identical vectorised torch codecs. Needs g++ and ninja (pip's ninja if absent).
+# Compiled kernels (cedlm/kernels/csrc, 1-2 minutes) into the per-user cache ~/.cache/cedlm/kernels
+# (CEDLM_KERNEL_DIR overrides it): optional. Without them cedlm logs one line and runs the torch
+# paths (bit-identical codecs). Needs g++ and ninja (pip's ninja if absent).
 command -v ninja >/dev/null || .venv/bin/pip install -q --disable-pip-version-check ninja || true
-.venv/bin/python -m cedlm.quant.ext build \
-  || echo "setup.sh: compiled KV codecs not built; cedlm uses its vectorised torch codecs" >&2
+.venv/bin/python -m cedlm.kernels.build \
+  || echo "setup.sh: compiled kernels not built; cedlm uses its torch paths" >&2

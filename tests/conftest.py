@@ -135,6 +135,6 @@ def kernels(request):
     """Run the test twice: with the inference fast paths (compiled kernels, the default) and with
     every reference kernel forced (CEDLM_REFERENCE_KERNELS=1's switch): the exactness tests must
     hold either way."""
-    from cedlm.quant.fast import reference_kernels_forced
+    from cedlm.kernels.gate import reference_kernels_forced
     with reference_kernels_forced(request.param == "reference"):
         yield request.param

@@ -29,7 +29,7 @@ def golden():
 def now(request):
     """The cases recomputed with the inference fast paths (the default) and with every reference
     kernel forced; the bitwise mode runs the references only."""
-    from cedlm.quant.fast import reference_kernels_forced
+    from cedlm.kernels.gate import reference_kernels_forced
     out = {}
     bitwise = os.environ.get("CEDLM_GOLDEN_BITWISE") == "1"
     if bitwise and request.param == "fast":

@@ -1,4 +1,4 @@
-"""The indexer's compiled kernels (cedlm/quant/csrc/index.h) against their readable references in
+"""The indexer's compiled kernels (cedlm/kernels/csrc/index.h) against their readable references in
 cedlm/model/indexer.py:
 - `stable_topk`: the same indices and values, bit for bit, under the tie rule (equal scores:
   newest first; NaN first), including rows full of ties, -inf and NaN;
@@ -11,17 +11,19 @@ import pytest
 import torch
 
 from cedlm.config import presets
-from cedlm.model.indexer import Indexer, _fast_op, stable_topk
-from cedlm.quant import decode, encode, fast
+from cedlm.kernels import decode, encode, gate
+from cedlm.kernels import index as kernels_index
+from cedlm.kernels.codecs import ext_format
+from cedlm.model.indexer import Indexer, stable_topk
 
-pytestmark = pytest.mark.skipif(fast.ext_op("index_score") is None and not fast.reference_kernels(),
+pytestmark = pytest.mark.skipif(gate.ext_op("index_score") is None and not gate.reference_kernels(),
                                 reason="compiled extension not built")
 
 RTOL, ATOL = 1e-5, 1e-5        # relative to the score's scale: sum_h |w| * |q| * |k|
 
 
 def _ref_topk(score, k):
-    with fast.reference_kernels_forced():
+    with gate.reference_kernels_forced():
         return stable_topk(score, k)
 
 
@@ -35,7 +37,7 @@ def test_topk_is_bit_identical(shape, k):
     if s.numel() > 20:
         s.view(-1)[13] = float("nan")
         s.view(-1)[3] = -0.0
-    assert _fast_op("stable_topk", s) is not None
+    assert gate.inference_op("stable_topk", s) is not None
     ids, vals = stable_topk(s, k)
     rids, rvals = _ref_topk(s, k)
     assert ids.dtype == rids.dtype == torch.int64 and ids.shape == rids.shape
@@ -68,8 +70,8 @@ def _case(fmt, B, T, N, H=4, D=64, seed=0):
 @pytest.mark.parametrize("B,T,N", [(1, 1, 1), (1, 1, 700), (3, 1, 129), (2, 40, 90)])
 def test_index_score_from_packed_keys_matches_decode_then_score(fmt, B, T, N):
     q, w, raw, visible = _case(fmt, B, T, N, seed=N + T)
-    kind = fast.ext_format(fmt)
-    got = fast.ext_op("index_score")(q, w, raw, visible, *kind)
+    kind = ext_format(fmt)
+    got = gate.ext_op("index_score")(q, w, raw, visible, *kind)
     keys = decode(raw.reshape(B * N, -1), fmt, q.shape[-1]).view(B, N, -1)
     ref = Indexer.score(q, w, keys, visible)
     assert torch.equal(torch.isinf(got), torch.isinf(ref)) and torch.equal(got.isinf(), ~visible)
@@ -80,11 +82,11 @@ def test_index_score_from_packed_keys_matches_decode_then_score(fmt, B, T, N):
 
 
 def test_formats_without_a_kernel_and_autograd_take_the_reference_path():
-    assert fast.ext_format("bf16") is None and fast.ext_format("v4_fp8") is None
-    assert fast.ext_format("index_fp4") is not None
+    assert ext_format("bf16") is None and ext_format("v4_fp8") is None
+    assert ext_format("index_fp4") is not None
     q = torch.randn(1, 1, 2, 32, requires_grad=True)
-    assert _fast_op("index_score", q, torch.randn(1, 1, 2)) is None
-    assert _fast_op("stable_topk", torch.randn(3, 4).bfloat16()) is None
+    assert gate.inference_op("index_score", q, torch.randn(1, 1, 2)) is None
+    assert kernels_index.stable_topk(torch.randn(3, 4).bfloat16(), 2) is None
 
 
 def test_decode_with_the_fast_indexer_matches_the_reference():
@@ -105,7 +107,7 @@ def test_decode_with_the_fast_indexer_matches_the_reference():
 
     with torch.no_grad():
         got = run()
-        with fast.reference_kernels_forced():
+        with gate.reference_kernels_forced():
             ref = run()
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), (got - ref).abs().max()
     assert torch.equal(got.argmax(-1), ref.argmax(-1))

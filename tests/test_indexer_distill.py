@@ -14,7 +14,8 @@ from cedlm.data.retrieval import eval_sample, training_sequence
 from cedlm.engine.loader import load_any
 from cedlm.eval.fidelity import Measurement, REFERENCE, Setting, reference, variant_model
 from cedlm.model.probe import IndexerProbe, distill_kl, topk_recall
-from cedlm.quant import bytes_per_entry, decode, encode, quant_dequant
+from cedlm.kernels import decode, encode, quant_dequant
+from cedlm.quant import bytes_per_entry
 from conftest import run_indexer_stage  # noqa: E402  (the suite's helper)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -30,6 +30,9 @@ LAYERS: dict[str, int] = {
     "cedlm.cache": 3, "cedlm.checkpoint": 3, "cedlm.official": 3,
     "cedlm.model": 2,
     "cedlm.kv_layout": 1, "cedlm.text": 1,
+    # The compiled kernels and their gate: the model calls them; they run beside (and are checked
+    # against) the pure-torch reference codecs of cedlm.quant, which they import.
+    "cedlm.kernels": 1,
     "cedlm.quant": 0, "cedlm.config": 0, "cedlm.util": 0,
 }
 

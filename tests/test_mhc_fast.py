@@ -1,13 +1,14 @@
-"""The compiled mHC mixes (cedlm/quant/csrc/mhc.h) against the readable torch path (mhc.py)."""
+"""The compiled mHC mixes (cedlm/kernels/csrc/mhc.h) against the readable torch path (mhc.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from cedlm.kernels import gate
+from cedlm.kernels import mhc as kernels_mhc
 from cedlm.model import mhc
-from cedlm.quant import fast
 
-needs_ext = pytest.mark.skipif(fast.ext_op("mhc_mixes") is None,
+needs_ext = pytest.mark.skipif(gate.ext_op("mhc_mixes") is None,
                                reason="compiled extension not built (./setup.sh builds it)")
 
 
@@ -27,7 +28,7 @@ def test_fast_mixes_match_reference(seed, n):
     x, fn, base, scale = _case(seed, n)
     with torch.no_grad():
         got = mhc.hc_mixes(x, fn, base, scale, 1e-6, 1e-6, 20)
-        with fast.reference_kernels_forced():
+        with gate.reference_kernels_forced():
             ref = mhc.hc_mixes(x, fn, base, scale, 1e-6, 1e-6, 20)
     for name, a, b in zip(("pre", "post", "comb"), got, ref):
         assert a.shape == b.shape and a.dtype == b.dtype == torch.float32, name
@@ -41,7 +42,7 @@ def test_fast_mixes_match_reference(seed, n):
 def test_kernel_rows_are_independent_of_the_batch():
     """The compiled kernel computes each row alone: a row's mixes do not depend on how many rows
     share the call (the projection before it is torch's matmul, as on the reference path)."""
-    op = fast.ext_op("mhc_mixes")
+    op = gate.ext_op("mhc_mixes")
     _, _, base, scale = _case(4)
     m = torch.randn(15, base.numel(), generator=torch.Generator().manual_seed(9)) * 3
     full = op(m, base, scale, 1e-6, 20)
@@ -52,7 +53,7 @@ def test_kernel_rows_are_independent_of_the_batch():
 
 def test_training_and_the_reference_switch_use_the_torch_path(monkeypatch):
     calls = []
-    monkeypatch.setattr(fast, "ext_op", lambda name: calls.append(name) or None)
+    monkeypatch.setattr(gate, "ext_op", lambda name: calls.append(name) or None)
     x, fn, base, scale = _case(5)
     fn.requires_grad_(True)
     pre, post, comb = mhc.hc_mixes(x, fn, base, scale, 1e-6, 1e-6, 20)
@@ -62,8 +63,8 @@ def test_training_and_the_reference_switch_use_the_torch_path(monkeypatch):
         mhc.hc_mixes(x, fn, base, scale, 1e-6, 1e-6, 20)
     assert calls == ["mhc_mixes"]                            # inference asks for it
     monkeypatch.undo()
-    with fast.reference_kernels_forced():
-        assert fast.ext_op("mhc_mixes") is None
+    with gate.reference_kernels_forced():
+        assert gate.ext_op("mhc_mixes") is None
 
 
 @needs_ext
@@ -78,14 +79,14 @@ def test_fast_collapse_and_expand_match_reference(n, lead):
     f = torch.randn(*lead, D, generator=g)
     post = torch.rand(*lead, n, generator=g) * 2
     comb = torch.rand(*lead, n, n, generator=g)
-    assert mhc._fast_op("mhc_collapse", x, pre) is not None
+    assert kernels_mhc.collapse(x, pre) is not None
     got = mhc.collapse(x, pre), mhc.expand(x, f, post, comb)
-    with fast.reference_kernels_forced():
-        assert mhc._fast_op("mhc_collapse", x, pre) is None
+    with gate.reference_kernels_forced():
+        assert kernels_mhc.collapse(x, pre) is None
         ref = mhc.collapse(x, pre), mhc.expand(x, f, post, comb)
     for a, b in zip(got, ref):
         assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-6), (a - b).abs().max().item()
     xg = x.clone().requires_grad_(True)                     # autograd: the einsum path
-    assert mhc._fast_op("mhc_expand", xg, f, post, comb) is None
-    assert mhc._fast_op("mhc_collapse", x.bfloat16(), pre) is None
+    assert kernels_mhc.expand(xg, f, post, comb) is None
+    assert kernels_mhc.collapse(x.bfloat16(), pre) is None

@@ -14,8 +14,8 @@ import struct
 import pytest
 import torch
 
-from cedlm.quant import (FORMATS, QuantFormat, bytes_per_entry, decode, encode, fake_quant,
-                         quant_dequant)
+from cedlm.kernels import decode, encode, fake_quant, quant_dequant
+from cedlm.quant import FORMATS, QuantFormat, bytes_per_entry
 from cedlm.quant import numerics as N
 
 NAN = float("nan")

@@ -1,4 +1,4 @@
-"""The fast KV codecs (cedlm/quant/fast.py and the compiled csrc/codecs.cpp) against the reference.
+"""The fast KV codecs (cedlm/kernels/codecs.py and the compiled csrc/codecs.cpp) against the reference.
 
 Every comparison is BIT FOR BIT: bytes for encode, float32 bit patterns (NaN payloads and signs
 included) for decode and quant_dequant. The oracle is ``formats.*_reference`` (itself checked
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from cedlm.quant import decode, encode, fast, quant_dequant
+from cedlm.kernels import codecs, decode, encode, gate, quant_dequant, tables
 from cedlm.quant import formats as F
 from cedlm.quant import numerics as N
 
@@ -27,20 +27,20 @@ CASES = [(fmt, dim) for fmt in ALL_FORMATS for dim in DIMS[fmt]]
 
 
 def _ext_ok() -> bool:
-    return fast._ext_module() is not None
+    return gate.compiled() is not None
 
 
 BACKENDS = ["torch", pytest.param("ext", marks=pytest.mark.skipif(
-    not _ext_ok(), reason="compiled codecs not built (python -m cedlm.quant.ext build)"))]
+    not _ext_ok(), reason="compiled codecs not built (python -m cedlm.kernels.build)"))]
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    prev_ref = fast.set_reference_kernels(False)
-    prev = fast.set_fast_backend(request.param)
+    prev_ref = gate.set_reference_kernels(False)
+    prev = gate.set_fast_backend(request.param)
     yield request.param
-    fast.set_fast_backend(prev)
-    fast.set_reference_kernels(prev_ref)
+    gate.set_fast_backend(prev)
+    gate.set_reference_kernels(prev_ref)
 
 
 def ibits(t: torch.Tensor) -> torch.Tensor:
@@ -122,7 +122,7 @@ def test_shapes_dtypes_layouts(backend, fmt, dtype):
 
 def test_multi_chunk_and_threads(backend, monkeypatch):
     """Inputs split over many row chunks (torch path) / parallel_for ranges (ext)."""
-    monkeypatch.setattr(fast, "CHUNK_VALUES", 1024)
+    monkeypatch.setattr(codecs, "CHUNK_VALUES", 1024)
     g = torch.Generator().manual_seed(9)
     threads = torch.get_num_threads()
     try:
@@ -299,19 +299,19 @@ def test_poisoned_tiles_keep_sign_of_x(backend):
 # ---------------------------------------------------------------------------------------------
 
 def test_tables_come_from_reference():
-    t = fast._TABLES_CPU
+    t = tables.CPU
     byte = torch.arange(256).to(torch.uint8)
     assert same_bits(t["e4m3"], N.e4m3_decode(byte))
     assert same_bits(t["ue8m0"], N.ue8m0_decode(byte))
     pair = t["e2m1_pair"].view(torch.float32).view(256, 2)
     assert same_bits(pair[:, 0], N.e2m1_decode_reference(byte & 0xF))
     assert same_bits(pair[:, 1], N.e2m1_decode_reference(byte >> 4))
-    members = fast._e2m1_class_members()
+    members = tables.e2m1_class_members()
     v = members.view(torch.float32)
     cls = torch.arange(4096).unsqueeze(1).expand_as(members)
     # every member's class index is its row, and its table code is the readable reference's
     idx = torch.empty(v.numel(), dtype=torch.int32)
-    assert torch.equal(fast._e2m1_index(v.contiguous(), idx).view_as(cls).long(), cls)
+    assert torch.equal(codecs._e2m1_index(v.contiguous(), idx).view_as(cls).long(), cls)
     assert torch.equal(t["e2m1_code"][cls], N.e2m1_encode_reference(v))
     assert same_bits(t["e2m1_value"], N.e2m1_decode_reference(t["e2m1_code"]))
 
@@ -320,8 +320,8 @@ def test_e4m3_class_table():
     """The extension's E4M3 element table: uniform on every class (extremes, centre and its
     neighbours == the class point), and == the reference e4m3_encode on the dense sweep and on
     every E4M3 value / midpoint +-1 ulp."""
-    table = fast._e4m3_code_table()
-    members = fast._class_members(18)
+    table = tables.e4m3_code_table()
+    members = tables.class_members(18)
     assert torch.equal(table[torch.arange(16384).unsqueeze(1).expand_as(members)],
                        N.e4m3_encode(members.view(torch.float32)))
     for v in (dense_float_sweep(), torch.tensor(e4m3_ties(), dtype=torch.float32)):
@@ -335,7 +335,7 @@ def test_e2m1_table_on_dense_sweep():
     exponents, NaN, inf, subnormals), directly at the element level."""
     v = dense_float_sweep()
     idx = torch.empty(v.numel(), dtype=torch.int32)
-    got = fast._TABLES_CPU["e2m1_code"][fast._e2m1_index(v, idx).long()]
+    got = tables.CPU["e2m1_code"][codecs._e2m1_index(v, idx).long()]
     assert torch.equal(got, N.e2m1_encode_reference(v))
     assert torch.equal(got, N.e2m1_encode(v))
 
@@ -350,37 +350,37 @@ def test_toggle_switches_paths(monkeypatch):
         real = getattr(F, name)
         monkeypatch.setattr(F, name, lambda *a, _r=real, _n=name: (calls.append(_n), _r(*a))[1])
     for name in ("encode", "decode", "quant_dequant"):
-        real = getattr(fast, name)
-        monkeypatch.setattr(fast, name, lambda *a, _r=real, _n=name: (calls.append("fast." + _n),
-                                                                      _r(*a))[1])
+        real = getattr(codecs, "fast_" + name)
+        monkeypatch.setattr(codecs, "fast_" + name, lambda *a, _r=real, _n=name: (
+            calls.append("fast." + _n), _r(*a))[1])
     x = torch.randn(2, 128)
-    prev = fast.set_reference_kernels(False)
+    prev = gate.set_reference_kernels(False)
     try:
         b = encode(x, "index_fp4"); decode(b, "index_fp4", 128); quant_dequant(x, "index_fp4")
         assert calls == ["fast.encode", "fast.decode", "fast.quant_dequant"]
-        assert fast.active_backend() in ("ext", "torch")
+        assert gate.active_backend() in ("ext", "torch")
         calls.clear()
-        with fast.reference_kernels_forced():
-            assert fast.reference_kernels() and fast.active_backend() == "reference"
+        with gate.reference_kernels_forced():
+            assert gate.reference_kernels() and gate.active_backend() == "reference"
             b = encode(x, "index_fp4"); decode(b, "index_fp4", 128); quant_dequant(x, "index_fp4")
         assert calls == ["encode_reference", "decode_reference", "quant_dequant_reference"]
-        assert not fast.reference_kernels()
+        assert not gate.reference_kernels()
     finally:
-        fast.set_reference_kernels(prev)
+        gate.set_reference_kernels(prev)
 
 
 def test_env_flag_values():
     for v in ("1", "true", "yes", "on", " 1 "):
-        assert fast._env_flag(v)
+        assert gate._env_flag(v)
     for v in (None, "", "0", "false", "no", "off", "OFF"):
-        assert not fast._env_flag(v)
+        assert not gate._env_flag(v)
 
 
 @pytest.mark.parametrize("value,forced", [("1", True), ("0", False)])
 def test_env_var_read_at_import(value, forced):
     env = dict(os.environ, CEDLM_REFERENCE_KERNELS=value)
-    code = ("from cedlm.quant import fast, encode; import torch; encode(torch.zeros(1, 128), "
-            "'index_fp4'); print(fast.reference_kernels(), fast.active_backend())")
+    code = ("from cedlm.kernels import gate, encode; import torch; encode(torch.zeros(1, 128), "
+            "'index_fp4'); print(gate.reference_kernels(), gate.active_backend())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
     assert out[0] == str(forced)
@@ -388,11 +388,11 @@ def test_env_var_read_at_import(value, forced):
 
 
 def test_missing_extension_logs_once_and_falls_back(monkeypatch, caplog):
-    from cedlm.quant import ext
-    monkeypatch.setattr(ext, "load", lambda: (None, "not built (test)"))
-    monkeypatch.setattr(fast, "_ext_state", {})
-    monkeypatch.setattr(fast, "_backend", "auto")
-    prev = fast.set_reference_kernels(False)
+    from cedlm.kernels import build
+    monkeypatch.setattr(build, "load", lambda *a: (None, "not built (test)"))
+    monkeypatch.setattr(gate, "_ext_state", {})
+    monkeypatch.setattr(gate, "_backend", "auto")
+    prev = gate.set_reference_kernels(False)
     try:
         with caplog.at_level(logging.WARNING, logger="cedlm.quant"):
             x = torch.randn(3, 512)
@@ -401,17 +401,20 @@ def test_missing_extension_logs_once_and_falls_back(monkeypatch, caplog):
                 assert torch.equal(b, F.encode_reference(x, "kv_fp4"))
         lines = [r for r in caplog.records if "compiled KV codecs unavailable" in r.getMessage()]
         assert len(lines) == 1 and "not built (test)" in lines[0].getMessage()
-        assert fast.active_backend() == "torch"
+        assert gate.active_backend() == "torch"
         with pytest.raises(RuntimeError):
-            fast.set_fast_backend("ext")
+            gate.set_fast_backend("ext")
     finally:
-        fast.set_reference_kernels(prev)
+        gate.set_reference_kernels(prev)
 
 
 def test_stale_build_is_not_loaded(monkeypatch, tmp_path):
-    from cedlm.quant import ext
-    monkeypatch.setattr(ext, "BUILD_DIR", tmp_path)
-    assert ext.load()[0] is None and "not built" in ext.status()[1]
-    (tmp_path / f"{ext.NAME}.so").write_bytes(b"")
-    (tmp_path / f"{ext.NAME}.stamp").write_text("0" * 64)
-    assert ext.load()[0] is None and "stale" in ext.status()[1]
+    from cedlm.kernels import build
+    monkeypatch.setenv(build.DIR_VAR, str(tmp_path))
+    d = build.build_dir()
+    assert d.parent == tmp_path and len(d.name) == 16
+    assert build.load()[0] is None and "not built" in build.status()[1]
+    d.mkdir()
+    (d / f"{build.NAME}.so").write_bytes(b"")
+    (d / f"{build.NAME}.stamp").write_text("0" * 64)
+    assert build.load()[0] is None and "incomplete build" in build.status()[1]

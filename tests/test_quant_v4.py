@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from cedlm import ModelConfig
-from cedlm.quant import FORMATS, bytes_per_entry, decode, encode, fake_quant, quant_dequant
+from cedlm.kernels import decode, encode, fake_quant, quant_dequant
+from cedlm.quant import FORMATS, bytes_per_entry
 from cedlm.quant.formats import EXTRA_FORMATS, V4_FP8, get_format
 
 # ---------------------------------------------------------------------------------------------

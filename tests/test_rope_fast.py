@@ -1,14 +1,22 @@
-"""The compiled RoPE rotation (cedlm/quant/csrc/rope.h) against the readable torch path of
+"""The compiled RoPE rotation (cedlm/kernels/csrc/rope.h) against the readable torch path of
 `Rope.apply`: bit-identical on every call shape the model makes, forward and inverse, with and
 without YaRN; the fallbacks (autograd, bf16, broadcasts) take the reference path."""
 import pytest
 import torch
 
-from cedlm.model.rope import Rope, _fast_rotate
-from cedlm.quant import fast
+from cedlm.kernels import gate
+from cedlm.kernels import rope as kernels_rope
+from cedlm.model.rope import Rope
 
-pytestmark = pytest.mark.skipif(fast.ext_op("rope_rotate") is None and not fast.reference_kernels(),
+pytestmark = pytest.mark.skipif(gate.ext_op("rope_rotate") is None and not gate.reference_kernels(),
                                 reason="compiled extension not built")
+
+
+
+def _fast_rotate(x, cos):
+    """Whether the compiled rotation takes this call (its result, or None)."""
+    return kernels_rope.rotate(x, cos, torch.zeros_like(cos), False)
+
 
 YARN = {"rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
         "original_max_position_embeddings": 1024}
@@ -16,7 +24,7 @@ YARN = {"rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
 
 def _both(rope, x, pos, inverse=False):
     fast_out = rope.apply(x, pos, inverse=inverse)
-    with fast.reference_kernels_forced():
+    with gate.reference_kernels_forced():
         ref = rope.apply(x, pos, inverse=inverse)
     return fast_out, ref
 

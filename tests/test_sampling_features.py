@@ -158,7 +158,7 @@ def test_prompt_logprobs_equal_full_forward(tiny, mode, kernels):
     mHC: float32 rounding of their own) to 1e-3: on this random model a rounding difference of
     1e-7 in one attention output already moves a later log-probability by up to 5e-5 (a near tie
     in a top-k selection or an expert choice), and the fast paths moved one by 2.2e-4."""
-    from cedlm.quant.fast import reference_kernels_forced
+    from cedlm.kernels.gate import reference_kernels_forced
     tol = 1e-4 if kernels == "reference" else 1e-3
     ids = prompt(64)
     ref = forward_logprobs(tiny, ids)

@@ -7,7 +7,7 @@ from cedlm.config import ModelConfig
 from cedlm.kv_layout import KVLayout
 from cedlm.model.kv_cache import ByteKVCache
 from cedlm.model.state import SequenceState
-from cedlm.quant import fast
+from cedlm.kernels import gate
 
 
 def _states(layout, lengths, seed):
@@ -43,7 +43,7 @@ def test_batched_window_equals_reference():
         pos = torch.tensor([[n + t for t in range(T)] for n in lengths])
         a_st, b_st = _clone(base, layout), _clone(base, layout)
         a = ByteKVCache(layout, a_st).window(0, kv, pos)
-        with fast.reference_kernels_forced():
+        with gate.reference_kernels_forced():
             b = ByteKVCache(layout, b_st).window(0, kv, pos)
         assert a[0].shape == b[0].shape and torch.equal(a[1], b[1])
         assert torch.equal(a[0].view(torch.int32), b[0].view(torch.int32))

@@ -199,7 +199,7 @@ def _fill_rows(n: int, dim: int, fmt: str, g: torch.Generator, pool: int = 512) 
 
     Values of the right format and distribution (RMS 1, as kv_norm / k_norm outputs are), so no
     NaN/inf/denormal codes; timing depends on sizes, not values."""
-    from cedlm.quant import encode
+    from cedlm.kernels import encode
     base = encode(torch.randn(min(max(n, 1), pool), dim, generator=g), fmt)
     reps = -(-n // base.shape[0])
     return base.repeat(reps, 1)[:n].contiguous()

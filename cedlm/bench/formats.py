@@ -7,7 +7,7 @@ the cache bytes; not `clone()`, whose fresh allocation page-faults on every call
 glibc's mmap threshold, which timed the kernel's page faults instead of the copy). Three
 codec paths are timed in ONE run, their repeats interleaved round-robin with the memcpys (medians
 reported): the readable reference (`formats.encode_reference` / `decode_reference`), the default
-fast path (`cedlm.quant.encode` / `decode`: the compiled extension `cedlm/quant/csrc` when built,
+fast path (`cedlm.kernels.encode` / `decode`: the compiled kernels `cedlm/kernels/csrc` when built,
 else vectorised torch; column `backend`) and, when the extension runs, the vectorised torch path
 alone. All three produce identical bits (checked on the bench data, `bit_identical`).
 Throughput is in encoded bytes per second, so `ratio` = memcpy time / (encode + decode time) of
@@ -49,24 +49,26 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def run(ctx: Ctx) -> dict:
-    from cedlm.quant import bytes_per_entry, decode, encode, fast
+    from cedlm.kernels import decode, encode
+    from cedlm.kernels import gate
+    from cedlm.quant import bytes_per_entry
     from cedlm.quant.formats import decode_reference, encode_reference
     n_values = ctx.size(1 << 23, 1 << 20)                   # float32 values per call
     reps, warm = ctx.size(9, 3), 1
-    prev_ref = fast.set_reference_kernels(False)            # the fast path is the default path
+    prev_ref = gate.set_reference_kernels(False)            # the fast path is the default path
     try:
-        backend = fast.active_backend()                     # "ext" or "torch"
+        backend = gate.active_backend()                     # "ext" or "torch"
     finally:
-        fast.set_reference_kernels(prev_ref)
+        gate.set_reference_kernels(prev_ref)
 
     def on(backend_name, fn):
         def call():
-            prev_b, prev_r = fast.set_fast_backend(backend_name), fast.set_reference_kernels(False)
+            prev_b, prev_r = gate.set_fast_backend(backend_name), gate.set_reference_kernels(False)
             try:
                 return fn()
             finally:
-                fast.set_fast_backend(prev_b)
-                fast.set_reference_kernels(prev_r)
+                gate.set_fast_backend(prev_b)
+                gate.set_reference_kernels(prev_r)
         return call
 
     rows = []

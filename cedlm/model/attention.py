@@ -21,8 +21,8 @@ from cedlm.model.indexer import NEG, Indexer
 from cedlm.model.kv_cache import KVCache
 from cedlm.model.norm import RMSNorm, rms
 from cedlm.model.rope import Rope
-from cedlm.quant import store_round
-from cedlm.quant.fast import inference_op
+from cedlm.kernels import attention as kernels_attention
+from cedlm.kernels import store_round
 
 
 def attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool, return_probs: bool = False):
@@ -34,13 +34,10 @@ def attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool, re
     Returns [B, T, H, hd] fp32; with return_probs, also the probabilities of the compressed
     entries [B, H, T, N or k] (indexer distillation).
     """
-    fast = None if dense or return_probs else _fast_attend(q, win_k, comp_k, sink)
-    if fast is not None:
-        if comp_k is None:
-            B, T = q.shape[:2]
-            comp_k, comp_valid = q.new_empty(B, T, 0, q.shape[-1]), win_valid.new_empty(B, T, 0)
-        return fast(q.contiguous(), win_k.contiguous(), win_valid.contiguous(), comp_k.contiguous(),
-                    comp_valid.contiguous(), sink.detach().contiguous(), float(scale))
+    if not (dense or return_probs):             # compiled (attend.h), float32 rounding apart
+        fast = kernels_attention.attend_sparse(q, win_k, win_valid, comp_k, comp_valid, sink, scale)
+        if fast is not None:
+            return fast
     qf = q.float()
     sw = torch.einsum("bthd,bwd->bhtw", qf, win_k.float()) * scale
     sw = sw.masked_fill(~win_valid.unsqueeze(1), NEG)
@@ -58,13 +55,6 @@ def attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool, re
         eq = "bhtn,bnd->bthd" if dense else "bhtn,btnd->bthd"
         out = out + torch.einsum(eq, p[..., W:-1], comp_k.float())
     return (out, p[..., W:-1]) if return_probs else out
-
-
-def _fast_attend(q, win_k, comp_k, sink):
-    """The compiled sparse attention (cedlm/quant/csrc/attend.h: the same softmax over [window ||
-    selected || sink], float32 rounding apart) for float32 CPU inference, else None: autograd,
-    other dtypes and the reference switch (CEDLM_REFERENCE_KERNELS=1) run the einsums below."""
-    return inference_op("attend_sparse", q, win_k, sink, *([] if comp_k is None else [comp_k]))
 
 
 class Attention(nn.Module):

@@ -17,7 +17,7 @@ from cedlm.model.forward_batch import ForwardBatch
 from cedlm.model.kv_cache import KVCache
 from cedlm.model.norm import RMSNorm
 from cedlm.model.rope import Rope
-from cedlm.quant import store_round
+from cedlm.kernels import store_round
 
 
 class Compressor(nn.Module):

@@ -39,7 +39,7 @@ from cedlm.model.attention import Attention, attend
 from cedlm.model.mhc import add_hc_params, collapse, expand, first_pre, sublayer_mixes
 from cedlm.model.moe import MoE
 from cedlm.model.norm import RMSNorm, rms
-from cedlm.quant import decode, encode
+from cedlm.kernels import decode, encode
 
 
 def check_dspark_config(cfg: ModelConfig) -> None:

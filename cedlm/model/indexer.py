@@ -22,8 +22,8 @@ from cedlm.model.forward_batch import ForwardBatch
 from cedlm.model.kv_cache import KVCache
 from cedlm.model.norm import RMSNorm
 from cedlm.model.rope import Rope
-from cedlm.quant import store_round
-from cedlm.quant.fast import ext_format, inference_op
+from cedlm.kernels import index as kernels_index
+from cedlm.kernels import store_round
 
 NEG = float("-inf")
 
@@ -35,19 +35,12 @@ def stable_topk(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     tie often (at 0); a length-independent rule keeps incremental decode equal to the full
     forward. Returns (indices, values) of the k best.
     """
-    fast = _fast_op("stable_topk", score)
+    fast = kernels_index.stable_topk(score, k)   # compiled (index.h), bit-identical, else None
     if fast is not None:
-        ids, vals = fast(score, k)
-        return ids, vals
+        return fast
     N = score.shape[-1]
     vals, order = torch.sort(score.flip(-1), dim=-1, descending=True, stable=True)
     return (N - 1 - order[..., :k]), vals[..., :k]
-
-
-def _fast_op(name: str, *tensors: torch.Tensor):
-    """The compiled kernel `name` (cedlm/quant/csrc/index.h) for float32 CPU inference, else None:
-    autograd and the reference switch (CEDLM_REFERENCE_KERNELS=1) run the readable torch path."""
-    return inference_op(name, *tensors)
 
 
 def candidate_pool(score: torch.Tensor, n_visible: torch.Tensor, block: int, topk_blocks: int
@@ -128,10 +121,9 @@ class Indexer(nn.Module):
         packed = cache.index_bytes(self.keys_src)
         if packed is not None:
             raw, _, fmt = packed
-            kind = ext_format(fmt)
-            fast = _fast_op("index_score", q, w)
-            if fast is not None and kind is not None and raw.shape[-2] > 0:
-                return fast(q.contiguous(), w.contiguous(), raw, visible.contiguous(), *kind)
+            fast = kernels_index.score_packed(q, w, raw, visible, fmt)
+            if fast is not None:
+                return fast
         keys, _ = cache.index_keys(self.keys_src)
         return self.score(q, w, keys, visible)
 

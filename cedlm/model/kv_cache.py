@@ -22,8 +22,8 @@ import torch
 
 from cedlm.kv_layout import KVLayout
 from cedlm.model.state import SequenceState
-from cedlm.quant import decode, encode
-from cedlm.quant.fast import reference_kernels
+from cedlm.kernels import decode, encode
+from cedlm.kernels.gate import reference_kernels
 
 BIG = 1 << 62    # "never visible" end position of padding entries
 

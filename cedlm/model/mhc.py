@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cedlm.kernels import mhc as kernels_mhc
+
 
 def sinkhorn(m: torch.Tensor, iters: int, eps: float = 0.0) -> torch.Tensor:
     """Positive [..., n, n] (rows already softmax-normalised) -> doubly stochastic.
@@ -61,34 +63,15 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
     n = x.shape[-2]
     xf = x.flatten(-2).float()                                       # [B, T, n*D]
     m = (xf @ fn.float().t()) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm_eps)
-    fast = _fast_mixes(m, base, scale)
+    fast = kernels_mhc.mixes(m, base, scale, hc_eps, iters, n)   # compiled (mhc.h), else None
     if fast is not None:
-        pre, post, comb = fast(m.reshape(-1, m.shape[-1]).contiguous(), base, scale, hc_eps, iters)
-        lead = m.shape[:-1]
-        return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
+        return fast
     a0, a1, a2 = scale.float()
     b = base.float()
     pre = torch.sigmoid(a0 * m[..., :n] + b[:n]) + hc_eps
     post = 2 * torch.sigmoid(a1 * m[..., n:2 * n] + b[n:2 * n])
     comb = (a2 * m[..., 2 * n:] + b[2 * n:]).unflatten(-1, (n, n)).softmax(-1) + hc_eps
     return pre, post, sinkhorn(comb, iters, hc_eps)
-
-
-def _fast_mixes(*tensors: torch.Tensor):
-    """The compiled mixes (cedlm/quant/csrc/mhc.h, same operations as the lines below it in
-    `hc_mixes`) for inference on CPU, else None: training (autograd) and the reference switch
-    (CEDLM_REFERENCE_KERNELS=1) run the readable torch path."""
-    from cedlm.quant.fast import inference_op
-    return inference_op("mhc_mixes", *tensors, float32=False)
-
-
-def _fast_op(name: str, *tensors: torch.Tensor):
-    """The compiled collapse / expand (mhc.h: the sums of the einsum below each call, in index
-    order) for contiguous float32 CPU inference, else None (autograd, other dtypes, the switch)."""
-    if not tensors[0].is_contiguous():
-        return None
-    from cedlm.quant.fast import inference_op
-    return inference_op(name, *tensors)
 
 
 def first_pre(x: torch.Tensor) -> torch.Tensor:
@@ -100,19 +83,16 @@ def first_pre(x: torch.Tensor) -> torch.Tensor:
 
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """[B,T,n,D], [B,T,n] -> [B,T,D]."""
-    fast = _fast_op("mhc_collapse", x, pre)
+    fast = kernels_mhc.collapse(x, pre)          # compiled (mhc.h), else None
     if fast is not None:
-        B, T, n, D = x.shape
-        return fast(x.reshape(-1, n, D), pre.reshape(-1, n).contiguous()).view(B, T, D)
+        return fast
     return torch.einsum("btnd,btn->btd", x.float(), pre).to(x.dtype)
 
 
 def expand(x: torch.Tensor, f: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """x'_j = post_j f + sum_i comb[i, j] x_i.  x [B,T,n,D], f [B,T,D] -> [B,T,n,D]."""
-    fast = _fast_op("mhc_expand", x, f, post, comb)
+    fast = kernels_mhc.expand(x, f, post, comb)  # compiled (mhc.h), else None
     if fast is not None:
-        B, T, n, D = x.shape
-        return fast(x.reshape(-1, n, D), f.reshape(-1, D).contiguous(), post.reshape(-1, n).contiguous(),
-                    comb.reshape(-1, n, n).contiguous()).view(B, T, n, D)
+        return fast
     mixed = torch.einsum("btij,btid->btjd", comb, x.float())
     return (mixed + post.unsqueeze(-1) * f.float().unsqueeze(-2)).to(x.dtype)

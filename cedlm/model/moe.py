@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cedlm.config import ModelConfig
-from cedlm.quant.fast import reference_kernels
+from cedlm.kernels.gate import reference_kernels
 
 
 class Expert(nn.Module):

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from cedlm.kernels import rope as kernels_rope
+
 
 def yarn_correction_range(rope_dim: int, base: float, beta_fast: float, beta_slow: float,
                           original_max_pos: int) -> tuple[int, int]:
@@ -66,10 +68,9 @@ class Rope(torch.nn.Module):
         cos, sin = self.cos_sin(pos)
         while cos.dim() < x.dim():            # insert head dims between T and the pair dim
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        fast = _fast_rotate(x, cos)
-        if fast is not None:                  # the same operations, compiled (rope.h)
-            op, heads = fast
-            return op(x, cos, sin, heads, inverse)
+        fast = kernels_rope.rotate(x, cos, sin, inverse)   # the same operations, compiled
+        if fast is not None:
+            return fast
         if inverse:
             sin = -sin
         nope, rot = x[..., :-r], x[..., -r:]
@@ -77,26 +78,3 @@ class Rope(torch.nn.Module):
         a, b = pairs[..., 0], pairs[..., 1]
         out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
         return torch.cat((nope, out.to(x.dtype)), dim=-1)
-
-
-def _heads(x: torch.Tensor, cos: torch.Tensor) -> int:
-    """Rows of x per angle row: 1 when cos covers every row of x, x's head count when cos has a
-    broadcast head dim of 1; 0 for any other broadcast (the reference path handles it)."""
-    if cos.shape[:-1] == x.shape[:-1]:
-        return 1
-    if x.dim() >= 2 and cos.shape[:-2] == x.shape[:-2] and cos.shape[-2] == 1:
-        return x.shape[-2]
-    return 0
-
-
-def _fast_rotate(x: torch.Tensor, cos: torch.Tensor):
-    """(the compiled rotation, rows of x per angle row) for float32 CPU inference, else None.
-    The kernel (cedlm/quant/csrc/rope.h) does the same float32 operations as the lines below it
-    in `Rope.apply`, bit-identical; training (autograd), other dtypes, unusual broadcasts and the
-    reference switch (CEDLM_REFERENCE_KERNELS=1) run the readable torch path."""
-    heads = _heads(x, cos)
-    if not x.is_contiguous() or not heads:
-        return None
-    from cedlm.quant.fast import inference_op
-    op = inference_op("rope_rotate", x)
-    return None if op is None else (op, heads)

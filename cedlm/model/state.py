@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from cedlm.kv_layout import KVLayout
-from cedlm.quant import decode, encode
+from cedlm.kernels import decode, encode
 
 
 class ByteRows:

@@ -26,9 +26,9 @@ Scale rules, per tile of ``block`` dims with amax = max |x|:
   maps both to 255, so an inf poisons the tile like a NaN (decodes to all-NaN).
 
 The codecs below (``encode_reference``, ``decode_reference``, ``quant_dequant_reference``) are the
-readable definition and the oracle; the public ``encode`` / ``decode`` / ``quant_dequant`` run the
-bit-identical fast codecs of ``fast.py`` unless ``CEDLM_REFERENCE_KERNELS=1`` (read once, in
-``fast.py``) or ``fast.set_reference_kernels(True)`` forces these.
+readable definition and the oracle (pure torch). The codecs the model and the cache call,
+``cedlm.kernels.encode`` / ``decode`` / ``quant_dequant``, run bit-identical fast codecs (compiled
+or vectorised torch) unless ``CEDLM_REFERENCE_KERNELS=1`` forces these.
 
 Elements are quantized from t = x/s in float32. In a NaN-scale ("poisoned") tile t is NaN; E2M1
 then stores code 0 with the sign of x, E4M3 stores NaN (0x7F on x86 and CUDA, where x/NaN yields
@@ -59,8 +59,8 @@ from .numerics import (
 )
 
 __all__ = ["QuantFormat", "FORMATS", "V4Fp8Format", "V4_FP8", "EXTRA_FORMATS", "get_format",
-           "bytes_per_entry", "encode", "decode", "quant_dequant", "encode_reference",
-           "decode_reference", "quant_dequant_reference"]
+           "bytes_per_entry", "check_bytes", "scale_bytes_from_amax", "v4_scale_bytes_from_amax",
+           "v4_quant_dequant", "encode_reference", "decode_reference", "quant_dequant_reference"]
 
 
 @dataclass(frozen=True)
@@ -177,11 +177,11 @@ def _v4_split(x: torch.Tensor, f: V4Fp8Format):
 
 
 def _v4_scale_bytes(xt: torch.Tensor) -> torch.Tensor:
-    return _v4_scale_bytes_from_amax(xt.abs().amax(dim=-1))     # NaN propagates
+    return v4_scale_bytes_from_amax(xt.abs().amax(dim=-1))     # NaN propagates
 
 
-def _v4_scale_bytes_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """float32 tile amax [...] -> uint8 UE8M0 scale bytes [...] (shared with the fast path)."""
+def v4_scale_bytes_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """float32 tile amax [...] -> uint8 UE8M0 scale bytes [...] (shared with the fast codecs)."""
     y = amax / E4M3_MAX
     return ue8m0_ceil(torch.where(y < _V4_FLOOR, torch.full_like(y, _V4_FLOOR), y))
 
@@ -206,7 +206,8 @@ def _v4_decode(b: torch.Tensor, f: V4Fp8Format, dim: int) -> torch.Tensor:
     return torch.cat((q, rope), dim=-1)
 
 
-def _v4_quant_dequant(x: torch.Tensor, f: V4Fp8Format) -> torch.Tensor:
+def v4_quant_dequant(x: torch.Tensor, f: V4Fp8Format) -> torch.Tensor:
+    """Reference ``quant_dequant`` of a ``v4_fp8`` entry (the fast codecs use it as is)."""
     xt, rope = _v4_split(x, f)
     s = ue8m0_decode(_v4_scale_bytes(xt)).unsqueeze(-1)
     q = e4m3_round(xt / s, inplace=True).mul_(s).reshape(*xt.shape[:-2], xt.shape[-2] * f.block)
@@ -243,13 +244,13 @@ def _tiles(x: torch.Tensor, f: QuantFormat) -> torch.Tensor:
 
 def _scale_bytes(xt: torch.Tensor, f: QuantFormat) -> torch.Tensor:
     """float32 tiles [..., T, block] -> uint8 scale bytes [..., T]."""
-    return _scale_bytes_from_amax(xt.abs().amax(dim=-1), f)  # NaN propagates
+    return scale_bytes_from_amax(xt.abs().amax(dim=-1), f)  # NaN propagates
 
 
-def _scale_bytes_from_amax(amax: torch.Tensor, f: QuantFormat) -> torch.Tensor:
+def scale_bytes_from_amax(amax: torch.Tensor, f: QuantFormat) -> torch.Tensor:
     """float32 tile amax = max |x| [..., T] (NaN if the tile has one) -> uint8 scale bytes [..., T].
 
-    The scale rules of the module docstring; the fast path (``fast.py``) calls this too, so the two
+    The scale rules of the module docstring; the fast codecs (``cedlm.kernels.codecs``) call this too, so the two
     paths share one definition of the scales. May modify ``amax`` in place.
     """
     if f.name == "kv_fp4":
@@ -273,52 +274,8 @@ def _scale_values(sb: torch.Tensor, f: QuantFormat) -> torch.Tensor:
     return s.unsqueeze(-1)
 
 
-# ---------------------------------------------------------------------------------------------
-# encode / decode / quant_dequant: public entry points (fast path unless the reference is forced)
-# ---------------------------------------------------------------------------------------------
-
-def encode(x: torch.Tensor, fmt: str | QuantFormat) -> torch.Tensor:
-    """float [..., dim] -> uint8 [..., bytes_per_entry(fmt, dim)], layout [elements][scales].
-
-    Runs the fast codec (``fast.py``), bit-identical to ``encode_reference``; with
-    ``CEDLM_REFERENCE_KERNELS=1`` (or ``fast.set_reference_kernels(True)``) the reference runs.
-    """
-    f = get_format(fmt)
-    if isinstance(f, Bf16Format):
-        return f.encode(x)
-    if _fast.reference_kernels():
-        return encode_reference(x, f)
-    return _fast.encode(x, f)
-
-
-def decode(b: torch.Tensor, fmt: str | QuantFormat, dim: int) -> torch.Tensor:
-    """uint8 [..., bytes_per_entry(fmt, dim)] -> float32 [..., dim] (fast path, as ``encode``)."""
-    f = get_format(fmt)
-    _check_bytes(b, f, dim)
-    if isinstance(f, Bf16Format):
-        return f.decode(b, dim)
-    if _fast.reference_kernels():
-        return decode_reference(b, f, dim)
-    return _fast.decode(b, f, dim)
-
-
-def quant_dequant(x: torch.Tensor, fmt: str | QuantFormat | None) -> torch.Tensor:
-    """Bitwise equal to ``decode(encode(x, fmt), fmt, dim)`` (float32), without packing bytes.
-
-    ``fmt`` None or "none" is the identity (returns ``x`` unchanged, any dtype). Fast path as
-    ``encode``.
-    """
-    if fmt is None or fmt == "none":
-        return x
-    f = get_format(fmt)
-    if isinstance(f, Bf16Format):
-        return f.quant_dequant(x)
-    if _fast.reference_kernels():
-        return quant_dequant_reference(x, f)
-    return _fast.quant_dequant(x, f)
-
-
-def _check_bytes(b: torch.Tensor, f: QuantFormat | V4Fp8Format, dim: int) -> None:
+def check_bytes(b: torch.Tensor, f: QuantFormat | V4Fp8Format, dim: int) -> None:
+    """Raise a ValueError unless ``b`` is uint8 entries of ``f`` at ``dim`` (a decode's input)."""
     nbytes = f.bytes_per_entry(dim)
     if b.dtype != torch.uint8:
         raise ValueError(f"{f.name}: decode expects torch.uint8 bytes, got {b.dtype}")
@@ -352,7 +309,7 @@ def encode_reference(x: torch.Tensor, fmt: str | QuantFormat) -> torch.Tensor:
 def decode_reference(b: torch.Tensor, fmt: str | QuantFormat, dim: int) -> torch.Tensor:
     """Reference ``decode``."""
     f = get_format(fmt)
-    _check_bytes(b, f, dim)
+    check_bytes(b, f, dim)
     if isinstance(f, Bf16Format):
         return f.decode(b, dim)
     if isinstance(f, V4Fp8Format):
@@ -376,7 +333,7 @@ def quant_dequant_reference(x: torch.Tensor, fmt: str | QuantFormat | None) -> t
     if isinstance(f, Bf16Format):
         return f.quant_dequant(x)
     if isinstance(f, V4Fp8Format):
-        return _v4_quant_dequant(x, f)
+        return v4_quant_dequant(x, f)
     xt = _tiles(x, f)
     s = _scale_values(_scale_bytes(xt, f), f)
     t = xt / s
@@ -386,6 +343,3 @@ def quant_dequant_reference(x: torch.Tensor, fmt: str | QuantFormat | None) -> t
         q = e4m3_round(t, inplace=True)
     return q.mul_(s).reshape(x.shape)
 
-
-# The fast codecs import this module's helpers (scale rules, format classes), so they come last.
-from . import fast as _fast  # noqa: E402

@@ -152,11 +152,17 @@ inline void score_tile_avx2(const float* q, const float* w, const uint8_t* vis, 
 }
 #endif
 
+// Whether pick_tile may choose the AVX2 + FMA scorer (set_avx2; CEDLM_KERNEL_ISA=sse2 clears it).
+inline bool& allow_avx2() {
+  static bool allow = true;
+  return allow;
+}
+
 // The tile scorer for this CPU and head dim.
 inline TileFn pick_tile(int64_t D) {
 #ifdef CEDLM_INDEX_AVX2
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2 && D % 8 == 0) return score_tile_avx2;
+  if (avx2 && allow_avx2() && D % 8 == 0) return score_tile_avx2;
 #endif
   (void)D;
   return score_tile;

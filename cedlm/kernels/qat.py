@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .formats import QuantFormat, get_format, quant_dequant
+from cedlm.quant.formats import QuantFormat, get_format
+
+from .codecs import quant_dequant
 
 __all__ = ["FakeQuant", "fake_quant", "store_round"]
 

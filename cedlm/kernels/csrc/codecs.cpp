@@ -1,14 +1,15 @@
-// Compiled KV codecs for cedlm.quant (kv_fp4, index_fp4, window_fp8): one pass over the data,
+// Compiled KV codecs of cedlm.kernels (kv_fp4, index_fp4, window_fp8): one pass over the data,
 // bit-identical to the reference in cedlm/quant/formats.py + numerics.py.
 //
-// Built ahead of time by `python -m cedlm.quant.ext build` (./setup.sh runs it) through
-// torch.utils.cpp_extension; loaded by cedlm/quant/ext.py. When the build is missing or stale,
-// cedlm/quant/fast.py logs one line and runs its vectorised torch path instead.
+// Built ahead of time by `python -m cedlm.kernels.build` (./setup.sh runs it) through
+// torch.utils.cpp_extension into a per-user cache; loaded by cedlm/kernels/build.py. When the
+// build is missing or stale, cedlm/kernels/gate.py logs one line and the callers run their
+// torch paths (the vectorised torch codecs of cedlm/kernels/codecs.py) instead.
 //
 // How it stays identical to the reference:
-// * every element mapping is a table computed FROM the reference in fast.py and passed in once
+// * every element mapping is a table computed FROM the reference in tables.py and passed in once
 //   (set_tables): the E2M1 code and the E4M3 byte of each round-to-odd class of float32 bits
-//   (see fast.py: every RNE decision boundary, the saturation point and the NaN/inf patterns
+//   (see tables.py: every RNE decision boundary, the saturation point and the NaN/inf patterns
 //   are exact class points, so the reference result is constant on each class), the value of
 //   each E2M1 class, the two E2M1 values of each packed byte, the E4M3 and UE8M0 value of each
 //   byte;
@@ -19,11 +20,12 @@
 //   x * (1/s) is the same correctly rounded number, and NaN scales always divide;
 // * a tile's amax is the max of |x| as float32 bit patterns: the float order for non-NaN values,
 //   and above 0x7F800000 exactly when the tile holds a NaN (the reference's amax is then NaN);
-// * NaN * NaN returns the NaN the reference's mul_ returns (probed by fast.py, see mul_q_s).
+// * NaN * NaN returns the NaN the reference's mul_ returns (probed by tables.py, see mul_q_s).
 //
 // Speed: the amax and the class index of a tile use SSE2 (baseline on x86-64, so no -march and
-// no dispatch; -DCEDLM_CODECS_SCALAR or another CPU gives the equivalent scalar loops), the
-// table look-ups are scalar, rows are split over torch's intra-op threads.
+// no dispatch; -DCEDLM_CODECS_SCALAR, which CEDLM_KERNEL_ISA=generic builds with, or another CPU
+// gives the equivalent scalar loops), the table look-ups are scalar, rows are split over torch's
+// intra-op threads. The only run-time dispatch is the indexer's AVX2 + FMA scorer (index.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -94,7 +96,7 @@ inline float scale_value(int64_t kind, uint8_t sb) {
 }
 
 // q * s where both may be NaN (E4M3 element 0x7F/0xFF under a NaN scale): which payload
-// torch's mul_ keeps depends on how torch was compiled, so fast.py probes the reference once and
+// torch's mul_ keeps depends on how torch was compiled, so tables.py probes the reference once and
 // passes the answer to set_tables. Written out so that no operand order chosen by this compiler
 // can change the NaN bits. (With one NaN operand the result is that NaN, quieted, either way.)
 inline float mul_q_s(float q, float s) {
@@ -509,7 +511,18 @@ torch::Tensor attend_sparse(torch::Tensor q, torch::Tensor win, torch::Tensor wi
   return out;
 }
 
-int64_t abi_version() { return 7; }
+// Allow (true, the default) or forbid the run-time choice of AVX2 + FMA code (the indexer's
+// scorer); returns whether this CPU and build have that code at all.
+bool set_avx2(bool on) {
+  cedlm_index::allow_avx2() = on;
+#ifdef CEDLM_INDEX_AVX2
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+int64_t abi_version() { return 8; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_tables", &set_tables);
@@ -523,5 +536,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("index_score", &index_score);
   m.def("stable_topk", &stable_topk);
   m.def("attend_sparse", &attend_sparse);
+  m.def("set_avx2", &set_avx2);
   m.def("abi_version", &abi_version);
 }

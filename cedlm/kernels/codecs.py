@@ -1,0 +1,312 @@
+"""The KV codecs the model and the cache call: ``encode``, ``decode``, ``quant_dequant``,
+bit-identical to the readable reference codecs of ``cedlm.quant.formats`` (which stay the
+documentation and the oracle; the tests compare the two bit for bit).
+
+Which path runs is the gate's choice (``gate.py``):
+
+* the reference (``formats.*_reference``) when ``CEDLM_REFERENCE_KERNELS=1`` or
+  ``gate.set_reference_kernels(True)``;
+* ``"ext"``: the compiled module (``csrc/codecs.cpp``: one pass per entry, torch's intra-op
+  threads), for CPU tensors of the three V4.1 formats when it is built (``build.py``);
+* ``"torch"``: the vectorised torch codecs below; every other case (not built: one log line;
+  other devices; ``v4_fp8``; ``gate.set_fast_backend("torch")``).
+
+Both fast paths use the same look-up tables (``tables.py``, computed from the reference), so
+neither can drift; ``tables.py`` explains the constructions and what makes the torch path fast.
+bf16 entries are a plain dtype cast on every path.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from cedlm.quant import formats as F
+from cedlm.quant import numerics as N
+from cedlm.quant.bf16 import Bf16Format
+
+from . import gate, tables
+
+__all__ = ["encode", "decode", "quant_dequant", "fast_encode", "fast_decode",
+           "fast_quant_dequant", "ext_format", "CHUNK_VALUES"]
+
+CHUNK_VALUES = 1 << 18          # float32 values per row chunk (1 MiB; temporaries stay cached)
+_LITTLE = sys.byteorder == "little"
+_EXT_KIND = {("kv_fp4", "e2m1", "e4m3"): 0, ("index_fp4", "e2m1", "ue8m0"): 1,
+             ("window_fp8", "e4m3", "ue8m0"): 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# the public codecs: fast unless the reference is forced
+# ---------------------------------------------------------------------------------------------
+
+def encode(x: torch.Tensor, fmt: str | F.QuantFormat) -> torch.Tensor:
+    """float [..., dim] -> uint8 [..., bytes_per_entry(fmt, dim)], layout [elements][scales];
+    bit-identical to ``formats.encode_reference`` (which runs when the reference is forced)."""
+    f = F.get_format(fmt)
+    if isinstance(f, Bf16Format):
+        return f.encode(x)
+    if gate.reference_kernels():
+        return F.encode_reference(x, f)
+    return fast_encode(x, f)
+
+
+def decode(b: torch.Tensor, fmt: str | F.QuantFormat, dim: int) -> torch.Tensor:
+    """uint8 [..., bytes_per_entry(fmt, dim)] -> float32 [..., dim] (fast path, as ``encode``)."""
+    f = F.get_format(fmt)
+    F.check_bytes(b, f, dim)
+    if isinstance(f, Bf16Format):
+        return f.decode(b, dim)
+    if gate.reference_kernels():
+        return F.decode_reference(b, f, dim)
+    return fast_decode(b, f, dim)
+
+
+def quant_dequant(x: torch.Tensor, fmt: str | F.QuantFormat | None) -> torch.Tensor:
+    """Bitwise equal to ``decode(encode(x, fmt), fmt, dim)`` (float32), without packing bytes.
+
+    ``fmt`` None or "none" is the identity (returns ``x`` unchanged, any dtype). Fast path as
+    ``encode``.
+    """
+    if fmt is None or fmt == "none":
+        return x
+    f = F.get_format(fmt)
+    if isinstance(f, Bf16Format):
+        return f.quant_dequant(x)
+    if gate.reference_kernels():
+        return F.quant_dequant_reference(x, f)
+    return fast_quant_dequant(x, f)
+
+
+def ext_format(fmt) -> tuple[int, int] | None:
+    """(the extension's kind code, block) of a V4.1 KV format name or object, for the compiled
+    kernels that read packed entries themselves (e.g. the indexer's ``index_score``); None for a
+    format the extension does not decode (bf16, V4-Flash's fp8)."""
+    f = F.get_format(fmt)
+    if not isinstance(f, F.QuantFormat):
+        return None
+    kind = _EXT_KIND.get((f.name, f.element, f.scale), -1)
+    return None if kind < 0 else (kind, f.block)
+
+
+def _ext_for(f: F.QuantFormat, device: torch.device):
+    """(the compiled module, its kind code) for a codec call, or (None, -1): torch path."""
+    if device.type != "cpu":
+        return None, -1
+    kind = _EXT_KIND.get((f.name, f.element, f.scale), -1)
+    if kind < 0:
+        return None, -1
+    return gate.codec_module(), kind
+
+
+def _gather(table: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """table[idx] for an int32 index of any shape (flattened), into ``out`` when given."""
+    flat = idx.reshape(-1)
+    if out is None:
+        return torch.index_select(table, 0, flat).view(idx.shape)
+    torch.index_select(table, 0, flat, out=out.view(-1))
+    return out
+
+
+def _rows_per_chunk(x: torch.Tensor, dim: int) -> int:
+    if x.device.type != "cpu":
+        return max(1, x.shape[0])          # one chunk: the device has the memory bandwidth
+    return max(1, CHUNK_VALUES // dim)
+
+
+def _tile_amax(xt: torch.Tensor) -> torch.Tensor:
+    """max |x| over the last dim (NaN if the tile has one), as the reference computes it."""
+    return xt.abs().amax(dim=-1)
+
+
+def _scale_values(sb: torch.Tensor, scale: str, tab: dict[str, torch.Tensor]) -> torch.Tensor:
+    return _gather(tab["e4m3" if scale == "e4m3" else "ue8m0"], sb.to(torch.int32))
+
+
+def _e2m1_index(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """int32 round-to-odd class index of contiguous float32 ``t`` (see ``tables.py``), written into
+    the flat ``idx`` (``t.numel()`` elements)."""
+    tb = t.view(-1).view(torch.int32)
+    torch.bitwise_right_shift(tb, 20, out=idx)
+    idx.bitwise_and_(0xFFF)
+    idx.bitwise_or_(tb.bitwise_and(0xFFFFF).ne_(0))
+    return idx
+
+
+# ---------------------------------------------------------------------------------------------
+# the V4.1 formats
+# ---------------------------------------------------------------------------------------------
+
+def _flat_input(x: torch.Tensor, dim: int) -> torch.Tensor:
+    x = x.detach()
+    return x.reshape(-1, dim)
+
+
+def _chunk_f32(x2: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    return x2[r0:r1].to(torch.float32).contiguous()
+
+
+def fast_encode(x: torch.Tensor, f: F.QuantFormat | F.V4Fp8Format) -> torch.Tensor:
+    """The fast ``encode`` (the reference switch not consulted): bit-identical to ``formats.encode_reference``."""
+    if isinstance(f, F.V4Fp8Format):
+        return _v4_encode(x, f)
+    dim = f.check_dim(x.shape[-1]) if x.dim() > 0 else f.check_dim(0)
+    x2 = _flat_input(x, dim)
+    rows, tiles, nd = x2.shape[0], dim // f.block, f.data_bytes(dim)
+    mod, kind = _ext_for(f, x.device)
+    if mod is not None:
+        xc = x2.to(torch.float32).contiguous()
+        return mod.encode(xc, kind, f.block).view(*x.shape[:-1], nd + tiles)
+    out = torch.empty(rows, nd + tiles, dtype=torch.uint8, device=x.device)
+    tab = tables.for_device(x.device)
+    step = _rows_per_chunk(x2, dim)
+    fp4 = f.element == "e2m1"
+    idx = torch.empty(min(step, rows) * dim, dtype=torch.int32, device=x.device) if fp4 else None
+    code = torch.empty(min(step, rows) * dim, dtype=torch.uint8, device=x.device) if fp4 else None
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        r = r1 - r0
+        xt = _chunk_f32(x2, r0, r1).view(r, tiles, f.block)
+        sb = F.scale_bytes_from_amax(_tile_amax(xt), f)
+        s = _scale_values(sb, f.scale, tab).unsqueeze(-1)
+        t = xt / s
+        if fp4:
+            c = _gather(tab["e2m1_code"], _e2m1_index(t, idx[: r * dim]), code[: r * dim])
+            poisoned = torch.isnan(s.view(r, tiles))
+            if bool(poisoned.any()):      # t = x/NaN: code 0 with the sign of x (as the reference)
+                c3 = c.view(r, tiles, f.block)
+                c3[poisoned] = torch.signbit(xt[poisoned]).to(torch.uint8) << 3
+            out[r0:r1, :nd] = _pack(c, r, dim)
+        else:
+            t.clamp_(-N.E4M3_MAX, N.E4M3_MAX)
+            out[r0:r1, :nd].view(torch.float8_e4m3fn).copy_(t.view(r, dim))
+        out[r0:r1, nd:] = sb
+    return out.view(*x.shape[:-1], nd + tiles)
+
+
+def _pack(code: torch.Tensor, r: int, dim: int) -> torch.Tensor:
+    """uint8 codes [r*dim] -> packed [r, dim/2], even element in the low nibble."""
+    if _LITTLE:
+        c16 = code.view(torch.int16)                 # even | odd << 8
+        return (c16 | (c16 >> 4)).to(torch.uint8).view(r, dim // 2)   # low byte: even | odd << 4
+    return N.pack_nibbles(code.view(r, dim))
+
+
+def fast_decode(b: torch.Tensor, f: F.QuantFormat | F.V4Fp8Format, dim: int) -> torch.Tensor:
+    """The fast ``decode`` (the caller validated ``b``): bit-identical to the reference."""
+    if isinstance(f, F.V4Fp8Format):
+        return _v4_decode(b, f, dim)
+    nd, tiles, nbytes = f.data_bytes(dim), dim // f.block, f.bytes_per_entry(dim)
+    b2 = b.reshape(-1, nbytes)
+    mod, kind = _ext_for(f, b.device)
+    if mod is not None:
+        if b2.stride(-1) != 1:
+            b2 = b2.contiguous()
+        return mod.decode(b2, kind, dim, f.block).view(*b.shape[:-1], dim)
+    rows = b2.shape[0]
+    out = torch.empty(rows, dim, dtype=torch.float32, device=b.device)
+    tab = tables.for_device(b.device)
+    step = _rows_per_chunk(b2, dim)
+    fp4 = f.element == "e2m1"
+    idx = torch.empty(min(step, rows), nd, dtype=torch.int32, device=b.device)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        r = r1 - r0
+        i = idx[:r]
+        i.copy_(b2[r0:r1, :nd])
+        oc = out[r0:r1]
+        if fp4:
+            _gather(tab["e2m1_pair"], i, oc.view(torch.int64))
+        else:
+            _gather(tab["e4m3"], i, oc)
+        s = _scale_values(b2[r0:r1, nd:], f.scale, tab)
+        oc.view(r, tiles, f.block).mul_(s.unsqueeze(-1))
+    return out.view(*b.shape[:-1], dim)
+
+
+def fast_quant_dequant(x: torch.Tensor, f: F.QuantFormat | F.V4Fp8Format) -> torch.Tensor:
+    """The fast ``quant_dequant``: bit-identical to ``formats.quant_dequant_reference``."""
+    if isinstance(f, F.V4Fp8Format):
+        return _v4_quant_dequant(x, f)
+    dim = f.check_dim(x.shape[-1]) if x.dim() > 0 else f.check_dim(0)
+    x2 = _flat_input(x, dim)
+    rows, tiles = x2.shape[0], dim // f.block
+    mod, kind = _ext_for(f, x.device)
+    if mod is not None:
+        xc = x2.to(torch.float32).contiguous()
+        return mod.quant_dequant(xc, kind, f.block).view(x.shape)
+    out = torch.empty(rows, dim, dtype=torch.float32, device=x.device)
+    tab = tables.for_device(x.device)
+    step = _rows_per_chunk(x2, dim)
+    fp4 = f.element == "e2m1"
+    idx = torch.empty(min(step, rows) * dim, dtype=torch.int32, device=x.device) if fp4 else None
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        r = r1 - r0
+        xt = _chunk_f32(x2, r0, r1).view(r, tiles, f.block)
+        s = _scale_values(F.scale_bytes_from_amax(_tile_amax(xt), f), f.scale, tab).unsqueeze(-1)
+        oc = out[r0:r1].view(r, tiles, f.block)
+        if fp4:
+            # A poisoned tile (s = NaN) needs no fix here: q * NaN is s's NaN on both paths.
+            torch.div(xt, s, out=oc)
+            _gather(tab["e2m1_value"], _e2m1_index(oc, idx[: r * dim]), oc)
+        else:
+            t = (xt / s).clamp_(-N.E4M3_MAX, N.E4M3_MAX)
+            _gather(tab["e4m3"], t.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32), oc)
+        oc.mul_(s)
+    return out.view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# v4_fp8 (DeepSeek V4's entry; outside the V4.1 target, same tools)
+# ---------------------------------------------------------------------------------------------
+
+def _v4_encode(x: torch.Tensor, f: F.V4Fp8Format) -> torch.Tensor:
+    dim = f.check_dim(x.shape[-1]) if x.dim() > 0 else f.check_dim(0)
+    nope, rope = dim - f.rope, f.rope
+    tiles = nope // f.block
+    x2 = _flat_input(x, dim)
+    rows = x2.shape[0]
+    out = torch.empty(rows, f.bytes_per_entry(dim), dtype=torch.uint8, device=x.device)
+    step = _rows_per_chunk(x2, dim)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        r = r1 - r0
+        xc = _chunk_f32(x2, r0, r1)
+        xt = xc[:, :nope].reshape(r, tiles, f.block)
+        sb = F.v4_scale_bytes_from_amax(_tile_amax(xt))
+        t = (xt / N.ue8m0_decode(sb).unsqueeze(-1)).clamp_(-N.E4M3_MAX, N.E4M3_MAX)
+        o = out[r0:r1]
+        o[:, :nope].view(torch.float8_e4m3fn).copy_(t.view(r, nope))
+        o[:, nope: nope + 2 * rope] = xc[:, nope:].to(torch.bfloat16).view(torch.uint8)
+        o[:, nope + 2 * rope: nope + 2 * rope + tiles] = sb
+        o[:, -1] = 0
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _v4_decode(b: torch.Tensor, f: F.V4Fp8Format, dim: int) -> torch.Tensor:
+    nope, rope = f.nope(dim), f.rope
+    tiles, nbytes = nope // f.block, f.bytes_per_entry(dim)
+    b2 = b.reshape(-1, nbytes)
+    rows = b2.shape[0]
+    out = torch.empty(rows, dim, dtype=torch.float32, device=b.device)
+    tab = tables.for_device(b.device)
+    step = _rows_per_chunk(b2, dim)
+    idx = torch.empty(min(step, rows), nope, dtype=torch.int32, device=b.device)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        r = r1 - r0
+        i = idx[:r]
+        i.copy_(b2[r0:r1, :nope])
+        q = _gather(tab["e4m3"], i).view(r, tiles, f.block)
+        s = _gather(tab["ue8m0"], b2[r0:r1, nope + 2 * rope: nope + 2 * rope + tiles].to(torch.int32))
+        oc = out[r0:r1]
+        torch.mul(q, s.unsqueeze(-1), out=oc[:, :nope].view(r, tiles, f.block))
+        oc[:, nope:].copy_(b2[r0:r1, nope: nope + 2 * rope].contiguous().view(torch.bfloat16))
+    return out.view(*b.shape[:-1], dim)
+
+
+def _v4_quant_dequant(x: torch.Tensor, f: F.V4Fp8Format) -> torch.Tensor:
+    # Only the twin's training/reference forward uses it, at activation sizes: the reference.
+    return F.v4_quant_dequant(x, f)
