@@ -28,9 +28,9 @@ ROW_KEYS = {
                  "window_bytes", "compressor_state_bytes", "allocated_bytes",
                  "plan_bytes_per_sequence", "kv_bytes_per_token"},
     "prefill": {"model", "prompt_tokens", "median_s", "min_s", "max_s", "n", "spread",
-                "tokens_per_s", "ratio_vs_twin"},
-    "decode": {"context", "ced_median_s", "twin_median_s", "ced_spread", "twin_spread",
-               "ced_over_twin", "ced_vs_first", "twin_vs_first"},
+                "tokens_per_s", "ratio_vs_decoder_only"},
+    "decode": {"context", "ced_median_s", "decoder_only_median_s", "ced_spread", "decoder_only_spread",
+               "ced_over_decoder_only", "ced_vs_first", "decoder_only_vs_first"},
     "resume": {"store", "context", "bytes", "bytes_per_token", "ced_over_this"},
     "formats": {"format", "dim", "entries", "encoded_bytes", "input_bytes", "encode_s", "decode_s",
                 "memcpy_s", "memcpy_input_s", "codec_gbps", "memcpy_gbps", "ratio",
@@ -67,7 +67,7 @@ def test_cheap_figures_quick(tmp_path):
     by = {r["model"]: r["bytes_per_token"] for r in kv["rows"]}
     assert by["DeepSeek V4.1-Flash"] == 890 and by["DeepSeek LLM 67B"] == 389120
     assert by["DeepSeek V3.2 (656 B FP8 sparse)"] == 656 * 61
-    assert by["CED-small"] == 212 and by["decoder-only BF16 twin (small)"] == 6144
+    assert by["CED-small"] == 212 and by["decoder-only BF16 baseline (small)"] == 6144
     cap = check_json(out, "capacity")
     for r in cap["rows"]:
         assert r["bytes_per_sequence"] == r["plan_bytes_per_sequence"]
@@ -106,7 +106,7 @@ def test_select_and_cli_errors():
         cli.main(["--only", "nope"])
 
 
-def test_v4_style_twin_config_and_state():
+def test_v4_style_baseline_config_and_state():
     cfg = v4_style_config(ModelConfig.preset("small"))
     assert cfg.compress_ratios[:cfg.n_layers] == [0, 0] + [4, 128] * 5
     assert cfg.kv_source_layer_ids == list(range(2, 12))

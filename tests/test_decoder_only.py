@@ -1,11 +1,11 @@
-"""The decoder-only twin: incremental decode equals its full forward; BF16 KV accounting."""
+"""The decoder-only baseline: incremental decode equals its full forward; BF16 KV accounting."""
 import torch
 
 from cedlm import ModelConfig
 from cedlm.model.decoder_only import DecoderOnlyModel
 
 
-def test_twin_incremental_equals_full():
+def test_decoder_only_incremental_equals_full():
     torch.manual_seed(0)
     m = DecoderOnlyModel(ModelConfig.preset("tiny").replace(initializer_range=0.08)).eval()
     ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
@@ -21,7 +21,7 @@ def test_twin_incremental_equals_full():
     assert st.nbytes() == 40 * m.kv_bytes_per_token == 40 * 2 * 10 * 32 * 2
 
 
-def test_twin_shares_width_depth_and_moe():
+def test_decoder_only_shares_width_depth_and_moe():
     cfg = ModelConfig.preset("small")
     m = DecoderOnlyModel(cfg)
     assert len(m.layers) == cfg.n_layers and m.embed.weight.shape[1] == cfg.hidden_size

@@ -480,7 +480,7 @@ def test_cli_export_official(tmp_path, tok):
     assert (_logits(a) - _logits(b)).norm() / _logits(a).norm() < 0.2
 
 
-def test_export_rejects_the_twin(tmp_path):
+def test_export_rejects_the_decoder_only_baseline(tmp_path):
     from cedlm.model import DecoderOnlyModel
     from cedlm.official import export_official
     with pytest.raises(ValueError, match="CED model"):

@@ -84,7 +84,7 @@ def test_params_equal_built_model(preset):
     assert P.param_counts(cfg)["engram"] == engram
 
 
-def test_v4_twin_params_equal_built_model():
+def test_v4_style_baseline_params_equal_built_model():
     """A shrunk V4-Flash schema: the as-built inventory matches what CEDModel builds."""
     d = json.loads((CONFIG_DIR / "deepseek-v4-flash.config.json").read_text())
     d.update(vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=7,

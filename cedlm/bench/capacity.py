@@ -1,16 +1,16 @@
 """Figure 2: sequences that fit a fixed KV budget at 4k and 32k context.
 
-CED-small vs its same-size V4-Flash-style twin (CSA ratio 4 + HCA ratio 128, v4_fp8 main KV,
-every compressed layer its own KV source) vs the decoder-only BF16 twin.
+CED-small vs its same-size V4-Flash-style baseline (CSA ratio 4 + HCA ratio 128, v4_fp8 main KV,
+every compressed layer its own KV source) vs the decoder-only BF16 baseline.
 
 Per sequence at context C (C a multiple of 128, so no block is partly used):
-* CED and the V4-style twin: ceil(C / block_tokens) blocks of the engine's paged pool
+* CED and the V4-style baseline: ceil(C / block_tokens) blocks of the engine's paged pool
   (bytes_per_block of the live BlockPool, block_tokens 128 for both) + the window rings of every
   layer (a live SequenceState's ring tensors) + the largest compressor pending state (measured
   live: a 127-token prefill leaves r - 1 pending rows on every ratio-r source). The count is then
   checked on the real allocator: an Engine with that budget (less the compressor states, which
   the engine does not reserve) and max_num_seqs = S must hand out S x blocks blocks.
-* the BF16 twin: DecoderOnlyState bytes per token (after a real prefill) x C; no windows.
+* the decoder-only BF16 baseline: DecoderOnlyState bytes per token (after a real prefill) x C; no windows.
 Cross-checks: SequenceState growth over a real 512-token prefill, and cedlm.plan.sequence_bytes
 (which also counts DSpark rings that cedlm does not build: subtracted).
 """
@@ -79,19 +79,19 @@ def run(ctx: Ctx) -> dict:
     g = torch.Generator().manual_seed(ctx.seed)
     ids_short = torch.randint(0, 4096, (512,), generator=g)
     ids_odd = torch.randint(0, 4096, (127,), generator=g)
-    models = {"CED-small": ctx.ced(), "V4-Flash-style twin": ctx.v4(),
+    models = {"CED-small": ctx.ced(), "V4-Flash-style baseline": ctx.v4(),
               "CED-small40": ctx.preset_model("small40"),
               "V4-Flash-small40": ctx.preset_model("small40-v4flash")}
     # the 40-layer pair cross-checks allocation against shorter real prefills in quick mode
     short40, odd40 = ids_short[: ctx.size(512, 128)], ids_odd       # 127: a full ratio-128 pending group
     res = {name: _paged_model(m, budget, contexts, *((short40, odd40) if "40" in name else (ids_short, ids_odd)))
            for name, m in models.items()}
-    tw = ctx.twin()
+    tw = ctx.decoder_only()
     ts = tw.new_state()
     tw.prefill(ids_short, ts)
     bpt = ts.nbytes() // len(ids_short)
     assert bpt == tw.kv_bytes_per_token
-    res["BF16 twin"] = [{"context": C, "bytes_per_sequence": bpt * C, "sequences": budget // (bpt * C),
+    res["decoder-only BF16 baseline"] = [{"context": C, "bytes_per_sequence": bpt * C, "sequences": budget // (bpt * C),
                          "global_kv_bytes": bpt * C, "window_bytes": 0, "compressor_state_bytes": 0,
                          "allocated_bytes": (budget // (bpt * C)) * bpt * C,
                          "plan_bytes_per_sequence": tw.kv_bytes_per_token * C,
@@ -102,9 +102,10 @@ def run(ctx: Ctx) -> dict:
             rows.append({"model": name, **r})
     ratios = {}
     for i, C in enumerate(contexts):
-        c, v, t = (res[k][i]["sequences"] for k in ("CED-small", "V4-Flash-style twin", "BF16 twin"))
-        ratios[str(C)] = {"vs_v4_style": c / v if v else None, "vs_bf16_twin": c / t if t else None,
-                          "bytes_ratio_vs_v4_style": res["V4-Flash-style twin"][i]["bytes_per_sequence"]
+        c, v, t = (res[k][i]["sequences"]
+                   for k in ("CED-small", "V4-Flash-style baseline", "decoder-only BF16 baseline"))
+        ratios[str(C)] = {"vs_v4_style": c / v if v else None, "vs_decoder_only": c / t if t else None,
+                          "bytes_ratio_vs_v4_style": res["V4-Flash-style baseline"][i]["bytes_per_sequence"]
                           / res["CED-small"][i]["bytes_per_sequence"]}
     # the official configs, planner only (bytes per sequence; no model is built)
     official = []
@@ -130,7 +131,7 @@ def run(ctx: Ctx) -> dict:
             "Formula == allocation is asserted for every paged row (planner sequence_bytes less "
             "DSpark rings == pool blocks + live window rings + live max compressor state == "
             "SequenceState growth).",
-            "The V4-style twin's compressor state is cedlm's (non-overlapping groups): up to 127 "
+            "The V4-style baseline's compressor state is cedlm's (non-overlapping groups): up to 127 "
             "fp32 rows of kv and gate per HCA layer; V4's overlapping compressor holds more.",
         ],
     }
@@ -142,9 +143,9 @@ def table(res: dict) -> str:
     t = md_table(["model", "context", "KV B/token", "B/sequence", "fixed B/sequence (windows + "
                   "compressor)", "sequences"], body)
     body2 = [[C, f"{r['vs_v4_style']:.2f}x", f"{r['bytes_ratio_vs_v4_style']:.2f}x",
-              f"{r['vs_bf16_twin']:.1f}x"] for C, r in res["ratios"].items()]
+              f"{r['vs_decoder_only']:.1f}x"] for C, r in res["ratios"].items()]
     t += "\n\n" + md_table(["context", "CED / V4-style (sequences)", "V4-style / CED (bytes per seq)",
-                            "CED / BF16 twin (sequences)"], body2)
+                            "CED / decoder-only BF16 baseline (sequences)"], body2)
     body4 = [[C, f"{r['vs_v4_flash']:.2f}x", f"{r['bytes_ratio_vs_v4_flash']:.2f}x"]
              for C, r in res["ratios_small40"].items()]
     t += "\n\nOfficial 40-layer V4.1 schedule vs V4-Flash's 43-layer schedule, both at small width:\n\n"

@@ -92,15 +92,17 @@ class Ctx:
     def ced(self):
         return self._model("ced", lambda: _build_ced(small_config(), self.seed))
 
-    def twin(self):
+    def decoder_only(self):
+        """The decoder-only baseline (full attention, BF16 KV) of the small preset."""
         from cedlm.model.decoder_only import DecoderOnlyModel
 
         def build():
             torch.manual_seed(self.seed)
             return DecoderOnlyModel(small_config()).eval()
-        return self._model("twin", build)
+        return self._model("decoder_only", build)
 
     def v4(self):
+        """The same-size DeepSeek-V4-Flash-style baseline of the small preset (`v4_style_config`)."""
         return self._model("v4", lambda: _build_ced(v4_style_config(small_config()), self.seed))
 
     def preset_model(self, name: str):
@@ -125,14 +127,14 @@ def small_config() -> ModelConfig:
 
 
 def v4_style_config(cfg: ModelConfig) -> ModelConfig:
-    """A same-size DeepSeek-V4-Flash-style twin of a CED config.
+    """A same-size DeepSeek-V4-Flash-style baseline of a CED config.
 
     The leading SWA-only layers are kept; every later layer alternates CSA (ratio 4, with its own
     indexer and index keys) and HCA (ratio 128, attends to all of its entries), as V4-Flash's
     [0, 0] + [4, 128] * 20 + [4]. Every compressed layer is its own KV source; ratio-4 layers are
     the index sources; no decoder (every layer sees every token), no candidate pool. Main KV is
     stored as `v4_fp8` (V4's MODEL1 entry: FP8 NoPE, BF16 RoPE, UE8M0 per 64). That layout keeps
-    64 BF16 RoPE dims, so the twin's qk_rope_head_dim is 64 (the small preset has 32 of 128). V4
+    64 BF16 RoPE dims, so the baseline's qk_rope_head_dim is 64 (the small preset has 32 of 128). V4
     has no Engram and no DSpark: none here. Width, depth, heads, MoE, window and formats of the
     window and index keys are those of `cfg`.
     """
@@ -235,7 +237,7 @@ def synth_ced_state(model, context: int, seed: int = 0, margin: int = 64):
     return st
 
 
-def synth_twin_state(model, context: int, seed: int = 0, margin: int = 64):
+def synth_decoder_only_state(model, context: int, seed: int = 0, margin: int = 64):
     """A DecoderOnlyState of `context` tokens: BF16 K and V of every layer filled with N(0,1) values."""
     from cedlm.model.decoder_only import DecoderOnlyState
     g = torch.Generator().manual_seed(seed)

@@ -3,8 +3,8 @@
 From configs (cedlm.plan): DeepSeek LLM 67B (BF16 K+V), V3 (BF16 MLA latent), V3.2 (V3 with the
 656 B FP8 sparse layout), V4-Flash, V4.1-Flash. Measured on the runnable small presets: the
 engine's paged pool (bytes_per_block / block_tokens) and a SequenceState after a real prefill
-for CED-small and its V4-Flash-style twin, and DecoderOnlyState.nbytes() / tokens for the decoder-only
-BF16 twin. Every measured number must equal the planner's formula (asserted).
+for CED-small and its V4-Flash-style baseline, and DecoderOnlyState.nbytes() / tokens for the decoder-only
+decoder-only BF16 baseline. Every measured number must equal the planner's formula (asserted).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def run(ctx: Ctx) -> dict:
     state_bpt = (nb["main_kv"] + nb["index_keys"]) / T
     measured += [("CED-small", "engine pool: bytes_per_block / block_tokens", pool_bpt, f_ced),
                  ("CED-small", f"SequenceState after a {T}-token prefill", state_bpt, f_ced)]
-    # V4-Flash-style twin of small: a paged pool and a SequenceState after a real prefill
+    # V4-Flash-style baseline of small: a paged pool and a SequenceState after a real prefill
     v4 = ctx.v4()
     f_v4 = kv_bytes_per_token(v4.cfg)["total"]
     bt = v4.kv_layout.min_block_tokens
@@ -60,16 +60,16 @@ def run(ctx: Ctx) -> dict:
     st4 = v4.new_state()
     v4.prefill(ids, st4, "full", chunk_size=256)
     nb4 = st4.nbytes()
-    measured += [("V4-Flash-style twin (small)", f"BlockPool: bytes_per_block / {bt}",
+    measured += [("V4-Flash-style baseline (small)", f"BlockPool: bytes_per_block / {bt}",
                   pool.bytes_per_block / bt, f_v4),
-                 ("V4-Flash-style twin (small)", f"SequenceState after a {T}-token prefill",
+                 ("V4-Flash-style baseline (small)", f"SequenceState after a {T}-token prefill",
                   (nb4["main_kv"] + nb4["index_keys"]) / T, f_v4)]
-    # decoder-only BF16 twin
-    tw = ctx.twin()
+    # decoder-only BF16 baseline
+    tw = ctx.decoder_only()
     ts = tw.new_state()
     tw.prefill(ids, ts)
     f_tw = 2 * tw.cfg.n_layers * tw.cfg.head_dim * 2
-    measured += [("decoder-only BF16 twin (small)", f"DecoderOnlyState.nbytes() after a {T}-token prefill",
+    measured += [("decoder-only BF16 baseline (small)", f"DecoderOnlyState.nbytes() after a {T}-token prefill",
                   ts.nbytes() / T, f_tw)]
     for model, how, got, formula in measured:
         assert got == formula, f"{model}: allocated {got} B/token != formula {formula} B/token ({how})"
@@ -90,7 +90,7 @@ def run(ctx: Ctx) -> dict:
             "V3 = the BF16 MLA latent (512+64 dims x 2 B x 61 layers), V3.2 = the same model with "
             "the 656 B FP8 sparse layout.",
             "V4-Flash index keys are assumed FP4 (68 B per 128 dims; the format is unverified).",
-            "The V4-Flash-style small twin stores v4_fp8 entries (FP8 NoPE + BF16 RoPE, 194 B at "
+            "The V4-Flash-style small baseline stores v4_fp8 entries (FP8 NoPE + BF16 RoPE, 194 B at "
             "head_dim 128 with 64 RoPE dims) on all 10 compressed layers and FP4 index keys on the "
             "5 ratio-4 layers.",
         ],

@@ -1,8 +1,8 @@
-"""Figure 3: prefill time of one long prompt, CED `bounded` and `exact` vs the decoder-only twin.
+"""Figure 3: prefill time of one long prompt, CED `bounded` and `exact` vs the decoder-only baseline.
 
-Same width, depth, query path and MoE (the twin of cedlm.model.decoder_only), random weights (timing
+Same width, depth, query path and MoE (the baseline of cedlm.model.decoder_only), random weights (timing
 does not depend on values). CED prefills in chunks of 512 tokens (the engine's default
-`prefill_chunk`: its window attention is computed per chunk); the twin runs its prompt in one
+`prefill_chunk`: its window attention is computed per chunk); the decoder-only baseline runs its prompt in one
 call through fused scaled-dot-product attention (its fastest path). Each mode starts from a fresh
 state; medians of repeated runs after one warm-up on a short prompt. Prompts of 8k and 32k tokens
 (5 and 2 repeats; `--quick`: 2k), each with its own target in `targets`.
@@ -25,46 +25,46 @@ def _prompt(ctx: Ctx, vocab: int, S: int) -> torch.Tensor:
 
 
 def _repeats(ctx: Ctx, S: int) -> int:
-    return ctx.size(5 if S <= 8192 else 2, 1)                   # a 32k twin prefill takes minutes
+    return ctx.size(5 if S <= 8192 else 2, 1)                   # a 32k decoder-only prefill takes minutes
 
 
-def _one_length(ctx: Ctx, ced, twin, S: int) -> tuple[list, dict, dict]:
+def _one_length(ctx: Ctx, ced, decoder_only, S: int) -> tuple[list, dict, dict]:
     ids = _prompt(ctx, ced.cfg.vocab_size, S)
     calls = {
-        "twin": lambda st: twin.prefill(ids, st),
+        "decoder_only": lambda st: decoder_only.prefill(ids, st),
         "ced_bounded": lambda st: ced.prefill(ids, st, "bounded", chunk_size=CHUNK),
         "ced_exact": lambda st: ced.prefill(ids, st, "exact", chunk_size=CHUNK),
     }
-    setups = {"twin": twin.new_state, "ced_bounded": ced.new_state, "ced_exact": ced.new_state}
+    setups = {"decoder_only": decoder_only.new_state, "ced_bounded": ced.new_state, "ced_exact": ced.new_state}
     res = {name: [] for name in calls}
     for _ in range(_repeats(ctx, S)):                            # interleave modes per repeat
         for name, fn in calls.items():
             res[name] += measure(fn, 1, 0, setups[name])
             ctx.log(f"  prefill {S} {name}: {res[name][-1]:.2f} s")
     st = {k: stats(v) for k, v in res.items()}
-    tw = st["twin"]["median_s"]
+    tw = st["decoder_only"]["median_s"]
     rows = [{"model": k, "prompt_tokens": S, **{x: v[x] for x in ("median_s", "min_s", "max_s", "n",
                                                                  "spread")},
-             "tokens_per_s": S / v["median_s"], "ratio_vs_twin": v["median_s"] / tw}
+             "tokens_per_s": S / v["median_s"], "ratio_vs_decoder_only": v["median_s"] / tw}
             for k, v in st.items()]
     return rows, res, st
 
 
 def run(ctx: Ctx) -> dict:
     lengths = ctx.size(LENGTHS, [2048])
-    ced, twin = ctx.ced(), ctx.twin()
+    ced, decoder_only = ctx.ced(), ctx.decoder_only()
     warm = _prompt(ctx, ced.cfg.vocab_size, 256)
     ced.prefill(warm, ced.new_state(), "bounded", chunk_size=CHUNK)
-    twin.prefill(warm, twin.new_state())
+    decoder_only.prefill(warm, decoder_only.new_state())
     rows, runs, targets, notes = [], {}, {}, []
     for S in lengths:
-        r, res, st = _one_length(ctx, ced, twin, S)
+        r, res, st = _one_length(ctx, ced, decoder_only, S)
         rows += r
         runs[str(S)] = res
-        tw = st["twin"]["median_s"]
-        targets[str(S)] = target(f"CED bounded prefill time / twin prefill time at {S:,} tokens",
+        tw = st["decoder_only"]["median_s"]
+        targets[str(S)] = target(f"CED bounded prefill time / decoder-only prefill time at {S:,} tokens",
                                  "<=", 0.55, st["ced_bounded"]["median_s"] / tw)
-        notes.append(f"{S:,} tokens: ced_exact / twin = {st['ced_exact']['median_s'] / tw:.3f}")
+        notes.append(f"{S:,} tokens: ced_exact / decoder_only = {st['ced_exact']['median_s'] / tw:.3f}")
     worst = max(targets.values(), key=lambda t: t["measured"])
     S0 = lengths[0]
     out = {
@@ -76,7 +76,7 @@ def run(ctx: Ctx) -> dict:
         "rows": rows,
         "runs_s": runs,
         "targets": targets,
-        "target": target("CED bounded prefill time / twin prefill time (worst length)", "<=", 0.55,
+        "target": target("CED bounded prefill time / decoder-only prefill time (worst length)", "<=", 0.55,
                          worst["measured"], note=worst["metric"]),
         "notes": notes,
     }
@@ -85,15 +85,15 @@ def run(ctx: Ctx) -> dict:
         out["profile"] = {
             "ced_bounded": profile_call(lambda: ced.prefill(ids, ced.new_state(), "bounded",
                                                             chunk_size=CHUNK)),
-            "twin": profile_call(lambda: twin.prefill(ids, twin.new_state())),
+            "decoder_only": profile_call(lambda: decoder_only.prefill(ids, decoder_only.new_state())),
         }
     return out
 
 
 def table(res: dict) -> str:
     body = [[r["model"], r["prompt_tokens"], r["median_s"], r["spread"], r["tokens_per_s"],
-             f"{r['ratio_vs_twin']:.3f}"] for r in res["rows"]]
-    return md_table(["model", "prompt tokens", "median s", "spread", "tokens/s", "time / twin"], body)
+             f"{r['ratio_vs_decoder_only']:.3f}"] for r in res["rows"]]
+    return md_table(["model", "prompt tokens", "median s", "spread", "tokens/s", "time / decoder-only"], body)
 
 
 def plot(res: dict, path) -> bool:
@@ -107,7 +107,7 @@ def plot(res: dict, path) -> bool:
         vals = [r["median_s"] for r in rs]
         ax.bar([r["model"] for r in rs], vals, color=["#888888", "#1f77b4", "#ff7f0e"][: len(rs)])
         for i, (v, r) in enumerate(zip(vals, rs)):
-            ax.text(i, v, f"{v:.1f} s\n({r['ratio_vs_twin']:.2f}x)", ha="center", va="bottom",
+            ax.text(i, v, f"{v:.1f} s\n({r['ratio_vs_decoder_only']:.2f}x)", ha="center", va="bottom",
                     fontsize=8)
         ax.set_ylabel("seconds (median)")
         ax.set_title(f"Prefill of a {S:,}-token prompt")

@@ -5,9 +5,9 @@ checksum included), divided by the session's tokens, for
 * CED-small session (`cedlm.engine.session`): global KV + index keys + token ids + compressor
   pending rows; window rings are never stored (rebuilt by replay);
 * CED-small + its window rings (the same record plus every layer's ring, once per session);
-* the V4-Flash-style twin, session record (its global KV + index keys + ids + pending) plus its
+* the V4-Flash-style baseline, session record (its global KV + index keys + ids + pending) plus its
   window rings once (resumable at the session's end only);
-* the V4-Flash-style twin as a prefix store that keeps window state: its session record plus the
+* the V4-Flash-style baseline as a prefix store that keeps window state: its session record plus the
   window KV of every token of every layer (what a paged prefix cache with SWA layers keeps so it
   can resume at any block boundary without replay: one ring snapshot per n_win tokens). This is
   the target's baseline.
@@ -71,8 +71,8 @@ def run(ctx: Ctx) -> dict:
         rows = [
             {"store": "CED-small session (global KV + index keys + ids)", "bytes": b_ced},
             {"store": "CED-small session + window rings", "bytes": b_ced + b_ced_rings},
-            {"store": "V4-Flash-style twin session + window rings", "bytes": b_v4 + b_v4_rings},
-            {"store": "V4-Flash-style twin + window KV of every token", "bytes": b_v4 + b_v4_every},
+            {"store": "V4-Flash-style baseline session + window rings", "bytes": b_v4 + b_v4_rings},
+            {"store": "V4-Flash-style baseline + window KV of every token", "bytes": b_v4 + b_v4_every},
         ]
         for r in rows:
             r["context"] = C

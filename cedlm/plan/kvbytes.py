@@ -122,12 +122,12 @@ def window_bytes_per_sequence(cfg: ModelConfig) -> dict:
     if cfg.family == "v4":
         out["assumptions"].append(
             f"V4-Flash window and MTP rings use the config's window format "
-            f"({cfg.window_kv_format}, {wb} B/entry) as cedlm's twin stores them; V4's own SWA "
+            f"({cfg.window_kv_format}, {wb} B/entry) as cedlm's V4-Flash-style baseline stores them; V4's own SWA "
             f"cache uses the 584 B MODEL1 layout (+{(584 - wb) * (cfg.n_layers + cfg.num_nextn_predict_layers) * cfg.sliding_window:,} B/sequence)"
             if cfg.head_dim == 512 else
             f"V4 window format: the config's {cfg.window_kv_format} ({wb} B/entry)")
         out["assumptions"].append(
-            "V4-Flash compressor state: cedlm's twin (non-overlapping groups, no indexer "
+            "V4-Flash compressor state: cedlm's V4-Flash-style baseline (non-overlapping groups, no indexer "
             "compressor); V4's overlapping ratio-4 compressor and indexer compressor hold more")
     return out
 
