@@ -70,6 +70,8 @@ class Indexer(nn.Module):
     sources that own index keys. Owns the sparse selection of its layer (and, on the candidate
     source, the candidate pool of the pass)."""
 
+    decisions = None    # a cedlm.model.decisions.Decisions recording or replaying the top-k
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
@@ -144,6 +146,10 @@ class Indexer(nn.Module):
         elif sel.pool is not None and cand is not None and cfg.kv_source_of(cand) == self.keys_src:
             score = score.masked_fill(~sel.pool, NEG)               # Reindex: inside the pool
         sel.topk[self.layer_id] = topk_entries(score.detach(), cfg.index_topk)
+        if self.decisions is not None:                               # recorded / replayed (decisions.py)
+            idx, ok = sel.topk[self.layer_id]
+            pinned = self.decisions.take(self.decision_key, torch.stack((idx, ok.long())), row_dim=-2)
+            sel.topk[self.layer_id] = (pinned[0], pinned[1].bool())
         if batch.probe is not None:                                  # indexer distillation
             batch.probe.record_scores(self.layer_id, raw, visible, *sel.topk[self.layer_id])
             if batch.probe.dense:                                    # warm-up: every visible entry

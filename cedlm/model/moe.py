@@ -29,6 +29,8 @@ class Expert(nn.Module):
 
 
 class Gate(nn.Module):
+    decisions = None    # a cedlm.model.decisions.Decisions recording or replaying the routing
+
     def __init__(self, cfg: ModelConfig, n_experts: int, topk: int):
         super().__init__()
         self.topk, self.func = topk, cfg.scoring_func
@@ -53,6 +55,8 @@ class Gate(nn.Module):
         bias = self.bias if image_mask is None else torch.where(
             image_mask[:, None], self.bias_vl, self.bias)
         ids = (s + bias).topk(self.topk, dim=-1).indices
+        if self.decisions is not None:                   # recorded / replayed (decisions.py)
+            ids = self.decisions.take(self.decision_key, ids, row_dim=0)
         w = s.gather(-1, ids)
         if self.norm:
             w = w / w.sum(-1, keepdim=True)
