@@ -34,6 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:                  # `cedlm train --preset ...`: the old spelling
+        try:
+            from cedlm.train.cli import legacy_argv
+        except ModuleNotFoundError:
+            pass
+        else:
+            argv = legacy_argv(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -231,5 +231,5 @@ def test_cli_hook():
     from cedlm.train.cli import add_parser
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers())
-    a = p.parse_args(["train", "--preset", "tiny", "--steps", "5", "--bias-update-rate", "0.01"])
+    a = p.parse_args(["train", "pretrain", "--preset", "tiny", "--steps", "5", "--bias-update-rate", "0.01"])
     assert a.func and a.steps == 5 and a.bias_update_rate == 0.01 and a.lr is None

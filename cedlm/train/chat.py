@@ -36,18 +36,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cedlm.train.stage import flag_adder
-
-NAME = "chat"
-PREFIX = "chat_"
 DEFAULT_INIT = "cedlm/assets/model"
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(NAME, help="supervised chat stage: V4.1 chat encoding, short answers, end of turn",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-
-    a = flag_adder(p, PREFIX)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The stage's flags (`cedlm train chat`)."""
+    a = p.add_argument
     a("--init", default=DEFAULT_INIT, metavar="MODEL_DIR",
       help=f"the model to start from (model dir or run dir; default {DEFAULT_INIT})")
     a("--out", required=True, metavar="RUN_DIR", help="run directory")
@@ -75,9 +69,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--record-ppl", default=None, metavar="PPL_JSON",
       help="no training: record the output of `cedlm eval ppl --model RUN_DIR --json` as this run's "
            "val_perplexity in RUN_DIR/summary.json (then --export, if given)")
-    p.set_defaults(func=lambda args: run(argparse.Namespace(**{
-        k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)})))
-    return p
 
 
 def check_args(a: argparse.Namespace) -> None:
@@ -166,13 +157,14 @@ def record_ppl(a: argparse.Namespace) -> dict:
 
 def train_chat(a: argparse.Namespace) -> dict:
     """Run the stage; returns the summary dict (also written to RUN_DIR/summary.json)."""
-    from cedlm.checkpoint import load_model, save_checkpoint
+    from cedlm.checkpoint import load_model
     from cedlm.train.chat_data import ChatBatches, build_examples, corpus_documents
     from cedlm.train.chat_eval import chat_metrics
-    from cedlm.train.plot import plot_metrics
-    from cedlm.train.train import lr_at, param_groups, update_moe_bias
+    from cedlm.train.optim import clip_and_step, cosine_lr, param_groups, set_lr, update_moe_bias
+    from cedlm.train.runner import (MetricsLog, StepLoop, TimeBudget, plot_loss, run_steps, save_model,
+                                    set_threads, write_json)
 
-    torch.set_num_threads(a.threads)
+    set_threads(a.threads)
     out = Path(a.out)
     model, tok = load_model(a.init)
     base_summary, base_args = base_metadata(Path(a.init))
@@ -200,53 +192,46 @@ def train_chat(a: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model.train()
     opt = torch.optim.AdamW(param_groups(model, a.weight_decay), lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
-    sched = argparse.Namespace(lr=a.lr, min_lr=a.min_lr, warmup=a.warmup, steps=a.steps)
-    metrics: list[dict] = []
-    (out / "metrics.jsonl").write_text("")
-    t_start = time.time()
-    step, chat_tok, text_tok = 0, 0, 0
-    while step < a.steps:
+    metrics = MetricsLog(out / "metrics.jsonl")
+    budget = TimeBudget(a.max_minutes)
+    tokens = {"chat": 0, "text": 0}
+
+    def step(i: int) -> dict:
         t1 = time.time()
-        lr = lr_at(step, sched)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        lr = cosine_lr(i, peak=a.lr, min_lr=a.min_lr, warmup=a.warmup, total=a.steps)
+        set_lr(opt, lr)
         ids, mask, is_text = batches.next_batch()
         loss, rows = masked_loss(model, ids, mask)
         loss.backward()
-        gn = None
-        if a.grad_clip > 0:
-            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip).item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        update_moe_bias(model, a.bias_update_rate, 1)
-        step += 1
+        gn = clip_and_step(opt, model.parameters(), a.grad_clip)
+        update_moe_bias(model, a.bias_update_rate)
         c, t = rows[~is_text].sum(0), rows[is_text].sum(0)
-        chat_tok, text_tok = chat_tok + int(c[1]), text_tok + int(t[1])
-        rec = {"step": step, "loss": loss.item(), "chat_loss": (c[0] / c[1]).item() if c[1] else None,
-               "text_loss": (t[0] / t[1]).item() if t[1] else None, "lr": lr, "grad_norm": gn,
-               "rows": list(ids.shape), "step_s": time.time() - t1, "elapsed": time.time() - t_start}
-        metrics.append(rec)
-        with open(out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        log(f"step {step}/{a.steps}: loss {rec['loss']:.3f} chat {rec['chat_loss'] or float('nan'):.3f} "
-            f"text {rec['text_loss'] or float('nan'):.3f} lr {lr:.2e} {rec['step_s']:.1f} s")
-        if a.max_minutes and time.time() - t_start >= a.max_minutes * 60:
-            log(f"time budget of {a.max_minutes} min reached at step {step}")
-            break
-    model.eval()
-    wall = time.time() - t_start
-    plot_metrics([{**r, "loss": r["chat_loss"] if r["chat_loss"] is not None else r["loss"]} for r in metrics],
-                 out / "loss.png")
+        tokens["chat"] += int(c[1])
+        tokens["text"] += int(t[1])
+        return {"step": i + 1, "loss": loss.item(), "chat_loss": (c[0] / c[1]).item() if c[1] else None,
+                "text_loss": (t[0] / t[1]).item() if t[1] else None, "lr": lr, "grad_norm": gn,
+                "rows": list(ids.shape), "step_s": time.time() - t1, "elapsed": budget.elapsed()}
 
-    stage = {k: v for k, v in vars(a).items() if k not in ("func",)}
-    stage.update(step=step, command="train chat")
-    training_args = {**base_args, "chat_stage": stage}
-    summary.update(chat_steps=step, chat_rows_per_step=a.batch_size, chat_max_len=a.max_len,
+    def report(rec: dict) -> None:
+        log(f"step {rec['step']}/{a.steps}: loss {rec['loss']:.3f} chat {rec['chat_loss'] or float('nan'):.3f} "
+            f"text {rec['text_loss'] or float('nan'):.3f} lr {rec['lr']:.2e} {rec['step_s']:.1f} s")
+
+    steps, _ = run_steps(StepLoop(name="cedlm train chat", step=step, stop=a.steps, metrics=metrics,
+                                  budget=budget, report=report, announce=not a.no_progress))
+    model.eval()
+    wall = budget.elapsed()
+    recs = metrics.records
+    plot_loss([{**r, "loss": r["chat_loss"] if r["chat_loss"] is not None else r["loss"]} for r in recs],
+              out / "loss.png")
+
+    stage = dict(vars(a), step=steps, command="train chat")
+    chat_tok, text_tok = tokens["chat"], tokens["text"]
+    summary.update(chat_steps=steps, chat_rows_per_step=a.batch_size, chat_max_len=a.max_len,
                    chat_text_fraction_rows=a.text_fraction,
                    chat_text_fraction_tokens=round(text_tok / max(1, chat_tok + text_tok), 4),
                    chat_assistant_tokens=chat_tok, chat_text_tokens=text_tok,
                    chat_train_conversations=len(examples), chat_train_wall_s=round(wall),
-                   chat_threads=a.threads, chat_final_loss=metrics[-1]["chat_loss"] if metrics else None)
+                   chat_threads=a.threads, chat_final_loss=recs[-1]["chat_loss"] if recs else None)
     if heldout:
         after = chat_metrics(model, tok, heldout, a.eval_max_tokens, seed=a.seed)
         summary.update({f"chat_after_{k}": v for k, v in after.items()})
@@ -255,8 +240,8 @@ def train_chat(a: argparse.Namespace) -> dict:
            f"--max-len {a.max_len} --lr {a.lr:g} --min-lr {a.min_lr:g} --warmup {a.warmup} "
            f"--text-fraction {a.text_fraction} --examples {a.examples} --seed {a.seed} --threads {a.threads}")
     summary["commands"] = list(base_summary.get("commands", [])) + [cmd]
-    save_checkpoint(out / "checkpoint", model, tok, training_args=training_args)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    save_model(out, model, tok, training_args={**base_args, "chat_stage": stage})
+    write_json(out / "summary.json", summary)
     if a.export:
         from cedlm.train.export import export_model
         export_model(out / "checkpoint", a.export, summary=summary)

@@ -1,12 +1,14 @@
-"""`cedlm train` sub-command hook (wired into cedlm/cli.py).
+"""`cedlm train STAGE` (wired into cedlm/cli.py): one sub-command per training stage.
 
-    cedlm train --preset small --out runs/small ...        pretraining (cedlm.train.train)
-    cedlm train STAGE --init MODEL_DIR --out RUN ...        a stage on top of a trained model
+    cedlm train pretrain --preset small --out runs/small ...      pretraining (cedlm.train.train)
+    cedlm train chat|indexer|dspark|vision --init MODEL --out RUN  a stage on top of a trained model
 
-Each stage lives in its own module (`STAGES`) with an `add_parser(subparsers)` hook that adds its
-sub-parser and sets `func`; a stage module that is not part of this build is skipped. Pretraining
-flags belong to pretraining only: giving one together with a stage is an error that names it,
-never a flag silently ignored.
+Each stage module (`STAGES`) has `add_arguments(parser)` (its flags, on a parser of its own) and
+`run(args) -> exit code`; `run` gets a namespace of that stage's flags only. A stage module that is
+not part of this build is skipped. The stages share one loop, `cedlm.train.runner`.
+
+The pre-stage spelling `cedlm train --preset small ...` (flags straight after `train`) still means
+pretraining, with a deprecation line on stderr (`legacy_argv`).
 """
 from __future__ import annotations
 
@@ -14,53 +16,49 @@ import argparse
 import importlib
 import sys
 
-# stage name -> module with `add_parser(subparsers)`
+# stage name -> (module with `add_arguments(p)` and `run(args)`, one-line help)
 STAGES = {
-    "chat": "cedlm.train.chat",          # supervised chat stage (end-of-turn, V4.1 chat encoding)
-    "indexer": "cedlm.train.indexer",    # lightning-indexer distillation / long-context stage
-    "dspark": "cedlm.train.dspark",      # DSpark drafter (mtp.*), target frozen
-    "vision": "cedlm.train.vision",      # ViT + aligner on top of a text model
+    "pretrain": ("cedlm.train.train", "pretrain a model from scratch on a prepared corpus"),
+    "chat": ("cedlm.train.chat", "supervised chat stage: V4.1 chat encoding, short answers, end of turn"),
+    "indexer": ("cedlm.train.indexer", "distil the lightning indexer; continue training on long "
+                "sequences with retrieval items"),
+    "dspark": ("cedlm.train.dspark", "train the DSpark drafter (mtp.*) of a model, target frozen"),
+    "vision": ("cedlm.train.vision", "train a small ViT + aligner on top of a frozen text model"),
 }
 
 
-def _run(args: argparse.Namespace) -> int:
-    from cedlm.train.train import run
-    return run(args)
+def legacy_argv(argv: list[str]) -> list[str]:
+    """`train -FLAG ...` (flags straight after `train`, the pre-stage spelling of pretraining) ->
+    `train pretrain -FLAG ...`, with a deprecation line on stderr; anything else unchanged."""
+    if len(argv) >= 2 and argv[0] == "train" and argv[1].startswith("-") and argv[1] not in ("-h", "--help"):
+        print("cedlm train: deprecated spelling; use `cedlm train pretrain ...`", file=sys.stderr)
+        return ["train", "pretrain", *argv[1:]]
+    return argv
 
 
-def _stage_conflicts(args: argparse.Namespace, pretrain_dests: list[str]) -> list[str]:
-    """Pretraining flags given on a stage's command line (their defaults are None)."""
-    return [d for d in pretrain_dests if getattr(args, d, None) is not None]
+def _runner(run, dests: list[str]):
+    """`func` of a stage's parser: its `run` on a namespace of the stage's own flags."""
+    def func(args: argparse.Namespace) -> int:
+        return run(argparse.Namespace(**{d: getattr(args, d) for d in dests}))
+    return func
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from cedlm.train.train import __doc__ as doc, add_arguments
     p = subparsers.add_parser("train", help="pretrain a model, or run a training stage on top of one",
-                              description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    before = {a.dest for a in p._actions}
-    add_arguments(p)
-    pretrain_dests = [a.dest for a in p._actions if a.dest not in before]
-    p.set_defaults(func=_run)
-    stages = p.add_subparsers(dest="stage", metavar="STAGE", required=False,
-                              title="stages (run on top of a trained model)")
-    for name, mod in STAGES.items():
+                              description=__doc__, allow_abbrev=False,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    stages = p.add_subparsers(dest="stage", metavar="STAGE", required=True, title="stages")
+    for name, (mod, help_) in STAGES.items():
         try:
-            hook = importlib.import_module(mod).add_parser
+            module = importlib.import_module(mod)
         except ModuleNotFoundError as e:
             if e.name == mod:
                 continue
             raise
-        sp = hook(stages)
-        stage_func = sp.get_default("func")
-
-        def checked(args, _f=stage_func, _name=name):
-            bad = _stage_conflicts(args, pretrain_dests)
-            if bad:
-                flags = ", ".join("--" + d.replace("_", "-") for d in bad)
-                print(f"error: {flags}: pretraining flag(s) do not apply to `cedlm train {_name}` "
-                      f"(put the stage's own flags after its name; see cedlm train {_name} --help)",
-                      file=sys.stderr)
-                return 2
-            return _f(args)
-        sp.set_defaults(func=checked)
+        sp = stages.add_parser(name, help=help_, description=module.__doc__, allow_abbrev=False,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        before = {a.dest for a in sp._actions}
+        module.add_arguments(sp)
+        dests = [a.dest for a in sp._actions if a.dest not in before]
+        sp.set_defaults(func=_runner(module.run, dests))
     return p

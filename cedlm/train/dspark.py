@@ -29,29 +29,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from cedlm.train.stage import flag_adder
 from cedlm.util import atomic_directory
 
-NAME = "dspark"
-PREFIX = "dspark_"
 DEFAULT_INIT = "cedlm/assets/model"
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(NAME, help="train the DSpark drafter (mtp.*) of a model, target frozen",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-
-    a = flag_adder(p, PREFIX)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The stage's flags (`cedlm train dspark`)."""
+    a = p.add_argument
     a("--init", default=DEFAULT_INIT, metavar="MODEL_DIR", help=f"the target model (default {DEFAULT_INIT})")
     a("--out", required=True, metavar="RUN_DIR", help="run directory")
     a("--export", default=None, metavar="DIR", help="also write a model directory with mtp.safetensors")
@@ -77,12 +69,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--threads", type=int, default=1, help="torch threads (default 1)")
     a("--max-minutes", type=float, default=None, help="stop early (and save) after this wall time")
     a("--log-every", type=int, default=10, help="steps between log lines (default 10)")
-    p.set_defaults(func=run)
-    return p
-
-
-def _opt(args, name):
-    return getattr(args, PREFIX + name)
 
 
 # ---------------------------------------------------------------- model setup
@@ -175,26 +161,27 @@ def export_drafter(init_dir: Path, model, dst: Path) -> Path:
 
 
 # ---------------------------------------------------------------- run
-def run(args) -> int:
-    from cedlm.checkpoint import load_model, resolve_checkpoint, save_checkpoint
+def run(args: argparse.Namespace) -> int:
+    from cedlm.checkpoint import load_model, resolve_checkpoint
     from cedlm.data.tokens import token_cache
     from cedlm.model.dspark import check_dspark_config
     from cedlm.train.data import BatchSampler
-    from cedlm.train.plot import plot_metrics
-    o = lambda n: _opt(args, n)                                  # noqa: E731
+    from cedlm.train.optim import clip_and_step, cosine_lr, set_lr
+    from cedlm.train.runner import (MetricsLog, StepLoop, TimeBudget, plot_loss, run_steps, save_model,
+                                    set_threads, write_json)
     for n in ("steps", "batch_size", "seq_len", "anchors", "threads", "updates_per_batch"):
-        if o(n) <= 0:
-            print(f"error: --{n.replace('_', '-')}: must be positive, got {o(n)}", file=sys.stderr)
+        if getattr(args, n) <= 0:
+            print(f"error: --{n.replace('_', '-')}: must be positive, got {getattr(args, n)}", file=sys.stderr)
             return 2
-    torch.set_num_threads(o("threads"))
-    torch.manual_seed(o("seed"))
-    init = resolve_checkpoint(o("init"))
+    set_threads(args.threads)
+    torch.manual_seed(args.seed)
+    init = resolve_checkpoint(args.init)
     model, tok = load_model(init)
     cfg = model.cfg
     check_dspark_config(cfg)
     N = cfg.dspark_block_size
-    if o("seq_len") < N + 1:
-        print(f"error: --seq-len: {o('seq_len')} is shorter than a block ({N}) + 1", file=sys.stderr)
+    if args.seq_len < N + 1:
+        print(f"error: --seq-len: {args.seq_len} is shorter than a block ({N}) + 1", file=sys.stderr)
         return 2
     if not hasattr(model, "mtp"):
         init_from_target(model)
@@ -202,83 +189,71 @@ def run(args) -> int:
         prm.requires_grad_(n.startswith("mtp."))
     model.eval()
     model.mtp.train()
-    data = Path(o("data"))
+    data = Path(args.data)
     if not (data / "train.txt").exists():
         print(f"error: --data: no train.txt in {data} (run `cedlm data prepare`)", file=sys.stderr)
         return 2
-    tokens = token_cache(data / "train.txt", tok, Path(o("cache_dir")))
-    sampler = BatchSampler(tokens, o("seq_len"), o("batch_size"), o("seed"))
-    t_gen = time.time()
-    n_gen = round(o("batch_size") * o("self_gen_frac")) if o("self_gen_seqs") > 0 else 0
+    tokens = token_cache(data / "train.txt", tok, Path(args.cache_dir))
+    sampler = BatchSampler(tokens, args.seq_len, args.batch_size, args.seed)
+    budget = TimeBudget(args.max_minutes).begin()       # the generation counts towards the budget
+    n_gen = round(args.batch_size * args.self_gen_frac) if args.self_gen_seqs > 0 else 0
     gen = None
     if n_gen:
-        if not 0 < o("self_gen_prompt") < o("seq_len"):
-            print(f"error: --self-gen-prompt: must be in (0, --seq-len={o('seq_len')})", file=sys.stderr)
+        if not 0 < args.self_gen_prompt < args.seq_len:
+            print(f"error: --self-gen-prompt: must be in (0, --seq-len={args.seq_len})", file=sys.stderr)
             return 2
-        print(f"generating {o('self_gen_seqs')} target continuations ...", flush=True)
-        gen = self_generate(model, tokens, o("self_gen_seqs"), o("self_gen_prompt"), o("seq_len"), o("seed"))
-        print(f"  {gen.numel()} tokens in {time.time() - t_gen:.0f}s", flush=True)
+        print(f"generating {args.self_gen_seqs} target continuations ...", flush=True)
+        gen = self_generate(model, tokens, args.self_gen_seqs, args.self_gen_prompt, args.seq_len, args.seed)
+        print(f"  {gen.numel()} tokens in {budget.elapsed():.0f}s", flush=True)
     params = [p for p in model.mtp.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=o("lr"), betas=(0.9, 0.95), weight_decay=0.0)
-    out = Path(o("out"))
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    metrics_f = open(out / "metrics.jsonl", "w")
-    g = torch.Generator().manual_seed(o("seed"))
-    t0, metrics = t_gen, []
-    S, K = o("seq_len"), o("anchors")
-    step, t_train = 0, time.time()
-    for step in range(1, o("steps") + 1):
-        lr = o("lr") * min(1.0, step / max(o("warmup"), 1))
-        if step > o("warmup"):
-            frac = (step - o("warmup")) / max(o("steps") - o("warmup"), 1)
-            if o("max_minutes") is not None:          # the schedule ends with the time limit too
-                budget = 60 * o("max_minutes") - (t_train - t0)
-                frac = max(frac, (time.time() - t_train) / max(budget, 1.0))
-            frac = min(frac, 1.0)
-            lr = o("min_lr") + 0.5 * (o("lr") - o("min_lr")) * (1 + math.cos(math.pi * frac))
-        for gr in opt.param_groups:
-            gr["lr"] = lr
-        if (step - 1) % o("updates_per_batch") == 0:
+    metrics = MetricsLog(out / "metrics.jsonl")
+    g = torch.Generator().manual_seed(args.seed)
+    S, K, w = args.seq_len, args.anchors, args.warmup
+    train_time = budget.rest(floor=1.0)        # the schedule ends with the time limit too
+    batch: dict = {}
+
+    def step(i: int) -> dict:
+        # the cosine starts one step after the warm-up's peak (i + 1 past it), as it always has here
+        lr = cosine_lr(i + 1 if i >= w else i, peak=args.lr, min_lr=args.min_lr, warmup=w, total=args.steps,
+                       time_frac=train_time.frac())
+        set_lr(opt, lr)
+        if i % args.updates_per_batch == 0:
             ids, _ = sampler.next_batch()
             if gen is not None:               # part of the batch: the target's own continuations
                 pick = torch.randint(0, gen.shape[0], (n_gen,), generator=g)
                 ids = torch.cat((ids[: ids.shape[0] - n_gen], gen[pick]))
-            logits, taps = target_pass(model, ids)
+            batch.update(ids=ids, target=target_pass(model, ids))
+        ids = batch["ids"]
         anchors = torch.stack([torch.randperm(S - N + 1, generator=g)[:K].sort().values
                                for _ in range(ids.shape[0])])
-        loss, st = draft_loss(model, ids, logits, taps, anchors, o("conf_weight"))
-        opt.zero_grad(set_to_none=True)
+        loss, st = draft_loss(model, ids, *batch["target"], anchors, args.conf_weight)
         loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
-        opt.step()
-        rec = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": gn,
-               "elapsed_s": round(time.time() - t0, 1), **st}
-        metrics.append(rec)
-        metrics_f.write(json.dumps(rec) + "\n")
-        metrics_f.flush()
-        if step % o("log_every") == 0 or step == 1:
-            print(f"step {step} loss {rec['loss']:.4f} kl {st['kl']:.4f} run {st['accepted_run']:.2f} "
-                  f"agree {[round(x, 2) for x in st['agree_by_pos']]} {rec['elapsed_s']}s", flush=True)
-        if o("max_minutes") is not None and time.time() - t0 > 60 * o("max_minutes"):
-            print(f"stopping at step {step}: --max-minutes {o('max_minutes')} reached", flush=True)
-            break
-    metrics_f.close()
+        gn = clip_and_step(opt, params, 1.0)
+        return {"step": i + 1, "loss": loss.item(), "lr": lr, "grad_norm": gn,
+                "elapsed_s": round(budget.elapsed(), 1), **st}
+
+    def report(rec: dict) -> None:
+        if rec["step"] % args.log_every == 0 or rec["step"] == 1:
+            print(f"step {rec['step']} loss {rec['loss']:.4f} kl {rec['kl']:.4f} run {rec['accepted_run']:.2f} "
+                  f"agree {[round(x, 2) for x in rec['agree_by_pos']]} {rec['elapsed_s']}s", flush=True)
+
+    step_n, _ = run_steps(StepLoop(name="cedlm train dspark", step=step, stop=args.steps, metrics=metrics,
+                                   budget=budget, report=report))
     model.eval()
-    args_out = {"init": str(init), "steps_run": step,
-                **{k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)}}
-    save_checkpoint(out / "checkpoint", model, tok, training_args={"dspark_stage": args_out})
-    try:
-        plot_metrics(metrics, out / "loss.png")
-    except Exception as e:                                   # noqa: BLE001 - the plot is optional
-        print(f"warning: loss plot not written: {e}", file=sys.stderr)
-    last = metrics[-20:]
-    summary = {"dspark_steps": step, "dspark_minutes": round((time.time() - t0) / 60, 2),
+    save_model(out, model, tok, training_args={"dspark_stage": {"init": str(init), "steps_run": step_n,
+                                                                 **vars(args)}})
+    plot_loss(metrics.records, out / "loss.png")
+    last = metrics.records[-20:]
+    summary = {"dspark_steps": step_n, "dspark_minutes": round(budget.elapsed() / 60, 2),
                "dspark_final_loss": sum(m["loss"] for m in last) / len(last),
                "dspark_final_kl": sum(m["kl"] for m in last) / len(last),
                "dspark_accepted_run": sum(m["accepted_run"] for m in last) / len(last)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if o("export"):
-        d = export_drafter(init, model, Path(o("export")))
+    write_json(out / "summary.json", summary)
+    if args.export:
+        d = export_drafter(init, model, Path(args.export))
         print(f"exported {d} (mtp.safetensors {(d / 'mtp.safetensors').stat().st_size} B)")
     print(json.dumps(summary))
     return 0

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import sys
 import time
@@ -51,15 +50,11 @@ from cedlm import checkpoint as ckpt_io
 from cedlm.data.retrieval import repeat_sequence, training_sequence
 from cedlm.data.tokens import token_cache
 from cedlm.model.probe import IndexerProbe, distill_kl, topk_recall
-from cedlm.train.stage import flag_adder
+from cedlm.train.optim import clip_and_step, cosine_lr, update_moe_bias
+from cedlm.train.runner import (MetricsLog, StepLoop, TimeBudget, progress_bar, run_steps, save_model,
+                                set_threads, write_json)
 
 DEFAULT_INIT = "cedlm/assets/model"
-PREFIX = "indexer_"
-
-
-def stage_args(args: argparse.Namespace) -> argparse.Namespace:
-    """This stage's settings, without the prefix of their dests."""
-    return argparse.Namespace(**{k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)})
 
 
 def indexer_params(model) -> list[torch.nn.Parameter]:
@@ -122,10 +117,7 @@ def step(model, opt, x, y, ans, a, whole: bool, lr_main: float, lr_idx: float,
         lm = ce_loss(logits, y, ans, a.answer_weight)
         loss = loss + lm
     loss.backward()
-    params = [p for p in model.parameters() if p.requires_grad]
-    rec["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, a.grad_clip).item() if a.grad_clip else None
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    rec["grad_norm"] = clip_and_step(opt, [p for p in model.parameters() if p.requires_grad], a.grad_clip)
     rec["loss"] = loss.item()
     return rec
 
@@ -138,11 +130,8 @@ def ce_loss(logits, y, ans, answer_weight: float) -> torch.Tensor:
 
 
 def lr_at(i: int, n: int, peak: float, warm: int) -> float:
-    """Linear warm-up over `warm` steps, then cosine to 10% of peak at step n."""
-    if i < warm:
-        return peak * (i + 1) / warm
-    t = (i - warm) / max(1, n - warm)
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(t, 1.0))))
+    """The stage's schedule: linear warm-up over `warm` steps, then cosine to 10% of peak at step n."""
+    return cosine_lr(i, peak=peak, min_lr=0.1 * peak, warmup=warm, total=n)
 
 
 def take_indexer(args: argparse.Namespace) -> int:
@@ -171,9 +160,7 @@ def take_indexer(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.take_indexer:
         return take_indexer(args)
-    from cedlm.train.plot import plot_metrics
-    from cedlm.train.train import update_moe_bias, write_jsonl
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     torch.manual_seed(args.seed)
     try:
         model, tok = ckpt_io.load_model(args.init)
@@ -186,8 +173,7 @@ def run(args: argparse.Namespace) -> int:
     if model.cfg.arch != "ced" or not model.cfg.index_source_layer_ids:
         print("error: --init: the model has no lightning indexer to train", file=sys.stderr)
         return 2
-    data = Path(args.data)
-    tokens = token_cache(data / "train.txt", tok, None)
+    tokens = token_cache(Path(args.data) / "train.txt", tok, None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.Generator(np.random.PCG64(args.seed))
@@ -199,18 +185,14 @@ def run(args: argparse.Namespace) -> int:
                               "weight_decay": args.weight_decay},
                              {"params": [p for p in main if p.dim() < 2], "name": "main",
                               "weight_decay": 0.0}], betas=(0.9, 0.95), eps=1e-8)
-    metrics: list[dict] = []
-    write_jsonl(out / "metrics.jsonl", metrics)
-    bar = None
+    metrics = MetricsLog(out / "metrics.jsonl")
     total = args.warmup_steps + args.steps
-    if args.progress:
-        from tqdm import tqdm
-        bar = tqdm(total=total, desc="train indexer", dynamic_ncols=True)
-    t0 = time.time()
+    budget = TimeBudget(args.max_minutes)
     cost = {p: {"steps": 0, "tokens": 0, "wall_s": 0.0}
             for p in ("dense", phase_name(True, args.selection == "dense"))}
     model.train()
-    for i in range(total):
+
+    def one_step(i: int) -> dict:
         whole = i >= args.warmup_steps                     # phase 2: the whole model trains
         j = i - args.warmup_steps if whole else i
         set_trainable(model, indexer_only=not whole)
@@ -219,46 +201,42 @@ def run(args: argparse.Namespace) -> int:
         if whole:
             rec = step(model, opt, x, y, ans, args, True, lr_at(j, args.steps, args.lr, args.lr_warmup),
                        lr_at(j, args.steps, args.indexer_lr, 1), dense=args.selection == "dense")
-            update_moe_bias(model, args.bias_update_rate, 1)
+            update_moe_bias(model, args.bias_update_rate)
         else:
             rec = step(model, opt, x, y, ans, args, False, 0.0, lr_at(j, args.warmup_steps, args.indexer_lr, 1))
-            update_moe_bias(model, 0.0, 1)                  # frozen model: only reset the load
+            update_moe_bias(model, 0.0)                     # frozen model: only reset the load
         dt = time.time() - ts
         c = cost[rec["phase"]]
         c["steps"], c["tokens"], c["wall_s"] = c["steps"] + 1, c["tokens"] + x.numel(), c["wall_s"] + dt
         rec.update(step=i + 1, tokens=sum(v["tokens"] for v in cost.values()),
-                   tokens_per_s=x.numel() / dt, elapsed=time.time() - t0)
-        metrics.append(rec)
-        with open(out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        if bar:
-            bar.set_postfix(phase=rec["phase"], kl=f"{rec['kl']:.3f}", lm=f"{rec['lm_loss']:.3f}")
-            bar.update(1)
-        if (i + 1) % args.plot_every == 0:
-            _plot(metrics, out, plot_metrics)
-        if args.stop_at_step and i + 1 >= args.stop_at_step:
-            break
-        if args.max_minutes and time.time() - t0 >= args.max_minutes * 60:
-            print(f"time budget of {args.max_minutes} min reached at step {i + 1}", file=sys.stderr)
-            break
-    if bar:
-        bar.close()
+                   tokens_per_s=x.numel() / dt, elapsed=budget.elapsed())
+        return rec
+
+    def report(rec: dict) -> None:
+        if rec["step"] % args.plot_every == 0:
+            _plot(metrics.records, out)
+
+    run_steps(StepLoop(
+        name="cedlm train indexer", step=one_step, stop=min(total, args.stop_at_step or total),
+        metrics=metrics, budget=budget, report=report,
+        bar=progress_bar(args.progress, total, "train indexer"),
+        postfix=lambda rec: dict(phase=rec["phase"], kl=f"{rec['kl']:.3f}", lm=f"{rec['lm_loss']:.3f}")))
     model.eval()
     saved = {k: v for k, v in vars(args).items() if k not in ("progress", "threads")}
-    ckpt_io.save_checkpoint(out / ckpt_io.CHECKPOINT_NAME, model, tok,
-                            training_args={**saved, "stage": "indexer", "step": len(metrics)})
-    _plot(metrics, out, plot_metrics)
+    save_model(out, model, tok, training_args={**saved, "stage": "indexer", "step": len(metrics)})
+    _plot(metrics.records, out)
     summary = {"stage": "indexer", "init": str(args.init), "seq_len": args.seq_len,
                "batch_size": args.batch_size, "threads": args.threads, "cost": cost,
-               "wall_s": time.time() - t0, "steps": len(metrics),
+               "wall_s": budget.elapsed(), "steps": len(metrics),
                "command": "cedlm train indexer " + shlex.join(sys.argv[3:])}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(out / "summary.json", summary)
     print(json.dumps(summary), file=sys.stderr)
     return 0
 
 
-def _plot(metrics: list[dict], out: Path, plot_metrics) -> None:
+def _plot(metrics: list[dict], out: Path) -> None:
     """loss.png (LM loss) and distill.png (KL and top-k recall per index layer)."""
+    from cedlm.train.plot import plot_metrics
     plot_metrics([{"step": m["step"], "loss": m["lm_loss"], "tokens": m["tokens"]} for m in metrics],
                  out / "loss.png")
     import matplotlib
@@ -284,11 +262,9 @@ def _plot(metrics: list[dict], out: Path, plot_metrics) -> None:
     plt.close(fig)
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("indexer", help="distil the lightning indexer; continue training on "
-                              "long sequences with retrieval items", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = flag_adder(p, PREFIX)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The stage's flags (`cedlm train indexer`)."""
+    a = p.add_argument
     a("--init", default=DEFAULT_INIT, help=f"model directory to start from (default {DEFAULT_INIT})")
     a("--out", default="runs/indexer", help="run directory (default runs/indexer)")
     a("--data", default="data/corpus", help="corpus dir with train.txt (default data/corpus)")
@@ -323,6 +299,4 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--plot-every", type=int, default=10, help="steps between plot redraws (default 10)")
     a("--take-indexer", metavar="RUN", help="train nothing: write --init's weights with the indexer "
       "of RUN (a finished run) to --out")
-    a("--no-progress", dest=PREFIX + "progress", action="store_false", help="no progress bar")
-    p.set_defaults(func=lambda args: run(stage_args(args)))
-    return p
+    a("--no-progress", dest="progress", action="store_false", help="no progress bar")

@@ -1,8 +1,9 @@
-"""`cedlm train`: pretrain a CED model on a prepared corpus (one process, or DDP under torchrun).
+"""`cedlm train pretrain`: pretrain a CED model on a prepared corpus (one process, or DDP under
+torchrun).
 
-    cedlm train --preset small --data data/corpus --out runs/small --steps 2000 --threads 2
+    cedlm train pretrain --preset small --data data/corpus --out runs/small --steps 2000 --threads 2
     torchrun --nproc_per_node 2 -m cedlm.train.train --preset tiny --out runs/tiny --steps 100
-    cedlm train --resume runs/small --steps 4000          # continue (saved settings are kept)
+    cedlm train pretrain --resume runs/small --steps 4000     # continue (saved settings are kept)
 
 Each step: draw the global batch (every rank its slice of it), forward + cross-entropy, backward,
 average gradients across ranks, clip, AdamW with linear warmup and cosine decay to --min-lr, then
@@ -17,13 +18,13 @@ A run directory holds `checkpoint/` (HF-style, see cedlm/checkpoint.py), `metric
 step; eval steps add val_loss and val_ppl) and `loss.png`. Resuming restores the optimizer, step,
 RNG and sampler states: N steps straight and N/2 + resume + N/2 give bitwise equal weights.
 
-`train` is `setup` (a `TrainRun`), then per step `optimisation_step`, `validate` when due,
-`log_step`, and `save` when due or at the end.
+`train` is `setup` (a `TrainRun`), then the stage runner (`cedlm.train.runner.run_steps`): per
+step `optimisation_step`, `validate` when due and at the end, the metrics line and progress, and
+`save` when due and at the end.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -40,12 +41,14 @@ from cedlm import checkpoint as ckpt_io
 from cedlm.config import ModelConfig
 from cedlm.data.tokens import token_cache
 from cedlm.model import build_model
-from cedlm.model.moe import MoE
 from cedlm.text.engram_map import V41, build_token_map
 from cedlm.text.tokenizer import load_tokenizer
 from cedlm.train import checkpoint as train_state
 from cedlm.train.data import BatchSampler, val_batches
+from cedlm.train.optim import (clip_and_step, cosine_lr, param_groups, set_lr, sync_gradients,
+                               update_moe_bias)
 from cedlm.train.plot import plot_metrics
+from cedlm.train.runner import MetricsLog, StepLoop, TimeBudget, progress_bar, run_steps, set_threads
 
 DEFAULTS = dict(
     preset="small", config=None, arch=None, tokenizer="default", data="data/corpus", cache_dir=None,
@@ -55,7 +58,8 @@ DEFAULTS = dict(
     stop_at_step=None, device="cpu", progress=True,
 )
 # Settings of this invocation only: not saved, not restored on resume.
-RUN_ONLY = ("resume", "out", "threads", "max_minutes", "stop_at_step", "device", "progress", "func")
+RUN_ONLY = ("resume", "out", "threads", "max_minutes", "stop_at_step", "device", "progress", "func",
+            "command", "stage")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cedlm train", description=__doc__,
+    p = argparse.ArgumentParser(prog="cedlm train pretrain", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return p
@@ -100,13 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------------- helpers
 def lr_at(step: int, a) -> float:
-    """Linear warmup to lr over `warmup` steps, then cosine decay to min_lr at `steps`."""
-    if step < a.warmup:
-        return a.lr * (step + 1) / a.warmup
-    if step >= a.steps:
-        return a.min_lr
-    t = (step - a.warmup) / max(1, a.steps - a.warmup)
-    return a.min_lr + 0.5 * (1 + math.cos(math.pi * t)) * (a.lr - a.min_lr)
+    """The pretraining schedule (`cosine_lr`) of settings `a` (lr, min_lr, warmup, steps)."""
+    return cosine_lr(step, peak=a.lr, min_lr=a.min_lr, warmup=a.warmup, total=a.steps)
 
 
 def resolve_args(given: argparse.Namespace, saved: dict | None) -> argparse.Namespace:
@@ -116,45 +115,6 @@ def resolve_args(given: argparse.Namespace, saved: dict | None) -> argparse.Name
         merged.update(saved)
     merged.update({k: v for k, v in vars(given).items() if v is not None})
     return argparse.Namespace(**merged)
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
-
-
-def sync_gradients(params: list[torch.Tensor], world: int) -> None:
-    """Average gradients over ranks in one all-reduce; a parameter that no rank used keeps None."""
-    used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params]
-                     + [used])
-    dist.all_reduce(flat)
-    flat /= world
-    used_anywhere = (flat[-len(params):] > 0).tolist()
-    n = 0
-    for p, u in zip(params, used_anywhere):
-        k = p.numel()
-        p.grad = flat[n: n + k].view_as(p).clone() if u else None
-        n += k
-
-
-def moe_layers(model: torch.nn.Module) -> list[MoE]:
-    """The MoE feed-forward of every layer (CEDModel and DecoderOnlyModel alike)."""
-    return [layer.ffn for layer in model.layers]
-
-
-@torch.no_grad()
-def update_moe_bias(model: torch.nn.Module, rate: float, world: int) -> None:
-    """Aux-loss-free balancing from this step's load (tokens per expert, summed over ranks)."""
-    ffns = moe_layers(model)
-    load = torch.stack([f.load for f in ffns])
-    if world > 1:
-        dist.all_reduce(load)
-    for f, l in zip(ffns, load):
-        if rate:
-            f.gate.update_bias(l, rate)
-        f.load.zero_()
 
 
 def all_mean(x: float, world: int, device) -> float:
@@ -182,11 +142,6 @@ def evaluate(model, tokens, a, rank: int, world: int, device) -> float:
     return (tot[0] / tot[1]).item()
 
 
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    from cedlm.data.corpus import atomic_write_text
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
-
-
 # ---------------------------------------------------------------------------- distributed
 def setup_distributed(device_kind: str):
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -200,11 +155,6 @@ def setup_distributed(device_kind: str):
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return rank, world, device
-
-
-def default_threads() -> int:
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, (os.cpu_count() or 1) // local)
 
 
 # ---------------------------------------------------------------------------- training
@@ -222,9 +172,9 @@ class TrainRun:
     val_tok: np.ndarray
     out: Path
     step: int = 0
-    metrics: list = field(default_factory=list)
+    log: MetricsLog | None = None         # metrics.jsonl (written by rank 0)
+    budget: TimeBudget = field(default_factory=TimeBudget)   # --max-minutes of this process
     elapsed0: float = 0.0                 # wall time of the run before this process (resume)
-    t_start: float = 0.0                  # when this process's training loop started
 
     @property
     def master(self) -> bool:
@@ -235,11 +185,11 @@ class TrainRun:
         return list(self.model.parameters())
 
     @property
-    def metrics_path(self) -> Path:
-        return self.out / "metrics.jsonl"
+    def metrics(self) -> list[dict]:
+        return self.log.records
 
     def elapsed(self) -> float:
-        return self.elapsed0 + time.time() - self.t_start
+        return self.elapsed0 + self.budget.elapsed()
 
 
 def _build_model(a: argparse.Namespace, master: bool):
@@ -271,7 +221,7 @@ def setup(given: argparse.Namespace) -> TrainRun:
     saved_state = train_state.load_training_state(given.resume) if getattr(given, "resume", None) else None
     a = resolve_args(given, saved_state["args"] if saved_state else None)
     rank, world, device = setup_distributed(a.device)
-    torch.set_num_threads(a.threads or default_threads())
+    set_threads(a.threads)
     master = rank == 0
 
     if saved_state:
@@ -297,18 +247,20 @@ def setup(given: argparse.Namespace) -> TrainRun:
         val_tok = token_cache(data / "val.txt", tokenizer, a.cache_dir, build=False)
     sampler = BatchSampler(train_tok, a.seq_len, a.batch_size, a.seed, rank, world)
 
-    run = TrainRun(a, rank, world, device, model, tokenizer, opt, sampler, val_tok, Path(a.out))
+    run = TrainRun(a, rank, world, device, model, tokenizer, opt, sampler, val_tok, Path(a.out),
+                   budget=TimeBudget(a.max_minutes))
     if saved_state:
         opt.load_state_dict(saved_state["optimizer"])
         sampler.load_state_dict(saved_state["sampler"])
         rngs = saved_state["rng"]
         train_state.set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
-        run.step, run.metrics = saved_state["step"], list(saved_state["metrics"])
+        run.step = saved_state["step"]
         run.elapsed0 = saved_state.get("elapsed", 0.0)
-
     if master:
         run.out.mkdir(parents=True, exist_ok=True)
-        write_jsonl(run.metrics_path, run.metrics)   # a fresh run, or exactly what the checkpoint saw
+    # a fresh run, or exactly what the checkpoint saw
+    run.log = MetricsLog(run.out / "metrics.jsonl", saved_state["metrics"] if saved_state else (), master)
+    if master:
         print(f"cedlm train: {model.num_parameters() / 1e6:.2f}M params "
               f"({model.num_parameters(True) / 1e6:.2f}M without Engram tables), "
               f"{len(train_tok):,} train tokens, {world} rank(s), "
@@ -321,8 +273,7 @@ def optimisation_step(run: TrainRun) -> dict:
     a, model, opt, params = run.a, run.model, run.opt, run.params
     t0 = time.time()
     lr = lr_at(run.step, a)
-    for g in opt.param_groups:
-        g["lr"] = lr
+    set_lr(opt, lr)
     x, y = run.sampler.next_batch()
     x, y = x.to(run.device), y.to(run.device)
     logits = model(x)
@@ -330,11 +281,7 @@ def optimisation_step(run: TrainRun) -> dict:
     loss.backward()
     if run.world > 1:
         sync_gradients(params, run.world)
-    grad_norm = None
-    if a.grad_clip and a.grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, a.grad_clip).item()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    grad_norm = clip_and_step(opt, params, a.grad_clip)
     update_moe_bias(model, a.bias_update_rate, run.world)
     run.step += 1
     loss_v = all_mean(loss.item(), run.world, run.device)
@@ -347,8 +294,7 @@ def optimisation_step(run: TrainRun) -> dict:
 
 def out_of_time(run: TrainRun) -> bool:
     """Whether --max-minutes is used up: rank 0 decides, every rank follows."""
-    a = run.a
-    over = bool(a.max_minutes) and (time.time() - run.t_start) >= a.max_minutes * 60
+    over = run.budget.over()
     if run.world > 1:
         flag = torch.tensor([float(over)], device=run.device)
         dist.broadcast(flag, 0)
@@ -362,23 +308,14 @@ def validate(run: TrainRun, rec: dict) -> None:
     rec.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
 
 
-def log_step(run: TrainRun, rec: dict, bar) -> None:
-    """Keep the record; on rank 0 append it to metrics.jsonl, redraw the plot after a
-    validation, and report progress."""
-    run.metrics.append(rec)
-    if not run.master:
+def report(run: TrainRun, rec: dict, bar) -> None:
+    """On rank 0, after a validation: redraw loss.png and print the step's line."""
+    if not run.master or "val_loss" not in rec:
         return
-    with open(run.metrics_path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
-    if "val_loss" in rec:
-        plot_metrics(run.metrics, run.out / "loss.png")
-        msg = (f"step {rec['step']}: loss {rec['loss']:.4f} val_loss {rec['val_loss']:.4f} "
-               f"val_ppl {rec['val_ppl']:.2f} lr {rec['lr']:.2e} {rec['tokens_per_s']:.0f} tok/s")
-        (bar.write(msg) if bar else print(msg, file=sys.stderr))
-    if bar:
-        bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.1e}",
-                        tok_s=f"{rec['tokens_per_s']:.0f}")
-        bar.update(1)
+    plot_metrics(run.metrics, run.out / "loss.png")
+    msg = (f"step {rec['step']}: loss {rec['loss']:.4f} val_loss {rec['val_loss']:.4f} "
+           f"val_ppl {rec['val_ppl']:.2f} lr {rec['lr']:.2e} {rec['tokens_per_s']:.0f} tok/s")
+    (bar.write(msg) if bar else print(msg, file=sys.stderr))
 
 
 def save(run: TrainRun) -> None:
@@ -402,36 +339,24 @@ def save(run: TrainRun) -> None:
 
 def train(given: argparse.Namespace) -> dict:
     """Run training; returns {"step", "loss", "val_loss", "metrics", "out", "model"} (rank 0's
-    view)."""
+    view; loss and val_loss of this process's last step and validation, None without one)."""
     run = setup(given)
     a = run.a
-    bar = None
-    if run.master and a.progress:
-        from tqdm import tqdm
-        bar = tqdm(total=a.steps, initial=run.step, desc="train", dynamic_ncols=True)
-    run.t_start = time.time()
-    last = {"loss": None, "val_loss": None}
-    stop_at = min(a.steps, a.stop_at_step) if a.stop_at_step else a.steps
-    while run.step < stop_at:
-        rec = optimisation_step(run)
-        last["loss"] = rec["loss"]
-        over = out_of_time(run)
-        final = run.step >= stop_at or over
-        if (a.eval_every and run.step % a.eval_every == 0) or final:
-            validate(run, rec)
-            last["val_loss"] = rec["val_loss"]
-        log_step(run, rec, bar)
-        if (a.save_every and run.step % a.save_every == 0) or final:
-            save(run)
-        if over:
-            if run.master:
-                print(f"time budget of {a.max_minutes} min reached at step {run.step}; "
-                      "checkpoint saved", file=sys.stderr)
-            break
-    if bar:
-        bar.close()
-    return {"step": run.step, "loss": last["loss"], "val_loss": last["val_loss"],
-            "metrics": run.metrics, "out": str(run.out), "model": run.model}
+    bar = progress_bar(run.master and a.progress, a.steps, "train", initial=run.step)
+    n0 = len(run.metrics)
+    run_steps(StepLoop(
+        name="cedlm train pretrain", step=lambda i: optimisation_step(run),
+        stop=min(a.steps, a.stop_at_step) if a.stop_at_step else a.steps, start=run.step,
+        metrics=run.log, budget=run.budget, out_of_time=lambda: out_of_time(run), announce=run.master,
+        evaluate=lambda rec: validate(run, rec), eval_every=a.eval_every, eval_at_end=True,
+        save=lambda: save(run), save_every=a.save_every, report=lambda rec: report(run, rec, bar),
+        bar=bar, postfix=lambda rec: dict(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.1e}",
+                                          tok_s=f"{rec['tokens_per_s']:.0f}")))
+    done = run.metrics[n0:]
+    vals = [r["val_loss"] for r in done if "val_loss" in r]
+    return {"step": run.step, "loss": done[-1]["loss"] if done else None,
+            "val_loss": vals[-1] if vals else None, "metrics": run.metrics, "out": str(run.out),
+            "model": run.model}
 
 
 def run(args: argparse.Namespace) -> int:

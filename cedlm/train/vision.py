@@ -20,21 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from cedlm.train.export import PARTS
-from cedlm.train.stage import flag_adder
 
 TOWER = PARTS["vision"]        # the tower's name prefixes: vision.*, aligner.*, image_*
-
-NAME = "vision"
 
 
 def vision_defaults():
@@ -159,14 +154,9 @@ def accuracy(model, tokenizer, ex: Examples, limit: int | None = None, batch: in
     return ok / max(len(rows), 1)
 
 
-PREFIX = "vision_"          # own dests: the pretraining flags share the argparse namespace
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(NAME, help="train a small ViT + aligner on top of a frozen text model",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-
-    a = flag_adder(p, PREFIX, metavars=False)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The stage's flags (`cedlm train vision`)."""
+    a = p.add_argument
     a("--init", required=True, metavar="MODEL_DIR", help="the text model (model dir or run dir)")
     a("--out", required=True, metavar="RUN_DIR", help="run directory (export/ is written inside)")
     a("--minutes", type=float, default=24.0, help="wall-clock budget of the three phases (default 24; "
@@ -180,6 +170,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--vision-layers", type=int, default=None, help="ViT blocks (default 4)")
     a("--vision-width", type=int, default=None, help="ViT width (default 96)")
     a("--eval-every", type=int, default=100, help="end-to-end steps between held-out checks (default 100)")
+    a("--eval-limit", type=int, default=None, help="held-out examples per task in the evaluations "
+      "(default: all in the final one, 100 in the checks between steps)")
     a("--anchor-frac", type=float, default=0.45, help="share of the budget for phase A at most (default 0.45)")
     a("--regress-frac", type=float, default=0.2, help="share of the budget for phase B (default 0.2)")
     a("--anchors", default=None, metavar="ANCHORS_PT", help="reuse phase A (anchors.pt of an earlier "
@@ -188,9 +180,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
       help="the end-to-end phase's task schedule, cycled (default: digits words)")
     a("--codes", action="store_true", help="phase B as class codes in the aligner (digits; "
       "cedlm.train.vision_anchors.train_codes) instead of regression")
-    p.set_defaults(func=lambda args: run(argparse.Namespace(**{
-        k[len(PREFIX):]: v for k, v in vars(args).items() if k.startswith(PREFIX)})))
-    return p
 
 
 def run(args) -> int:
@@ -204,10 +193,16 @@ def run(args) -> int:
 def _run(args) -> int:
     import dataclasses
 
-    from cedlm.checkpoint import load_model, save_checkpoint
+    from cedlm.checkpoint import load_model
     from cedlm.data import vision_tasks as T
     from cedlm.train.export import export_model
-    torch.set_num_threads(args.threads)
+    from cedlm.train.optim import cosine_lr, set_lr
+    from cedlm.train.runner import (MetricsLog, StepLoop, TimeBudget, plot_loss, run_steps, save_model,
+                                    set_threads, write_json)
+    from cedlm.train.vision_anchors import Anchors, train_anchors, train_codes, train_regression
+    set_threads(args.threads)
+    if args.eval_limit is not None and args.eval_limit < 1:
+        raise ValueError(f"--eval-limit: must be >= 1, got {args.eval_limit}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text, tok = load_model(args.init)
@@ -226,23 +221,16 @@ def _run(args) -> int:
                   Examples(model, tok, T.word_examples(300, args.seed + 1000), T.WORD_QUESTION)),
     }
     rng = random.Random(args.seed)
-    t0, metrics = time.monotonic(), []
-    budget = args.minutes * 60
-    mf = open(out / "metrics.jsonl", "w")
+    budget = TimeBudget(args.minutes).begin()       # the three phases share it
+    metrics = MetricsLog(out / "metrics.jsonl")
 
-    def log(rec: dict) -> None:
-        metrics.append(rec)
-        mf.write(json.dumps(rec) + "\n")
-        mf.flush()
-
-    def checkpoint(rec: dict) -> None:
+    def heldout(rec: dict) -> None:
+        """Held-out accuracy (100 examples per task), added to `rec` and printed."""
         for k, (_, te) in tasks.items():
-            rec[f"{k}_heldout_acc_100"] = accuracy(model, tok, te, limit=100)
+            rec[f"{k}_heldout_acc_100"] = accuracy(model, tok, te, limit=min(100, args.eval_limit or 100))
         print(json.dumps(rec), flush=True)
 
     # Phases A (anchors) and B (regression): cedlm.train.vision_anchors
-    from cedlm.train.vision_anchors import Anchors, train_anchors, train_regression
-    from cedlm.train.vision_anchors import train_codes
     anchors = {k: Anchors(model, tr) for k, (tr, _) in tasks.items()}
     if args.anchors:                      # phase A of an earlier run on the same text model
         saved = torch.load(args.anchors, weights_only=True)
@@ -258,29 +246,30 @@ def _run(args) -> int:
                     getattr(model, name).copy_(v)
         na = 0
     else:
-        na = train_anchors(model, anchors, args.anchor_frac * budget, args.batch, 3e-2, log, rng,
-                           order=["digits", "digits", "words"])
+        na = train_anchors(model, anchors, args.anchor_frac * budget.seconds, args.batch, 3e-2, metrics.append,
+                           rng, order=["digits", "digits", "words"])
     torch.save({**{k: a.rows.detach() for k, a in anchors.items()},
                 "_shared": {n: getattr(model, n).detach().clone()
                             for n in ("image_start", "image_newline", "image_end")}}, out / "anchors.pt")
-    checkpoint({"phase": "anchors_done", "steps": na, "elapsed_s": round(time.monotonic() - t0, 1)})
+    heldout({"phase": "anchors_done", "steps": na, "elapsed_s": round(budget.elapsed(), 1)})
     if args.regress_frac <= 0:           # continuing a trained tower: straight to phase C
         nr = 0
     elif args.codes:
-        nr = train_codes(model, anchors["digits"], args.regress_frac * budget, 128, 3e-3, log, rng)
+        nr = train_codes(model, anchors["digits"], args.regress_frac * budget.seconds, 128, 3e-3,
+                         metrics.append, rng)
     else:
-        nr = train_regression(model, anchors, args.regress_frac * budget, 128, args.lr, log, rng)
-    checkpoint({"phase": "regression_done", "steps": nr, "elapsed_s": round(time.monotonic() - t0, 1)})
-    # Phase C: end to end through the frozen text model
+        nr = train_regression(model, anchors, args.regress_frac * budget.seconds, 128, args.lr,
+                              metrics.append, rng)
+    heldout({"phase": "regression_done", "steps": nr, "elapsed_s": round(budget.elapsed(), 1)})
+
+    # Phase C: end to end through the frozen text model, in what is left of the budget
     opt = torch.optim.AdamW(train_params, lr=args.lr, weight_decay=0.01)
-    c0, step, total = time.monotonic(), 0, args.steps
-    left = budget - (c0 - t0)
-    while step < total and time.monotonic() - c0 < left:
-        frac = min(1.0, (time.monotonic() - c0) / max(left, 1e-9))
-        lr = args.lr * 0.5 * min(1.0, (step + 1) / 10) * (0.1 + 0.9 * 0.5 * (1 + math.cos(frac * math.pi)))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        name = args.e2e_tasks[step % len(args.e2e_tasks)]
+    phase_c = budget.rest()
+
+    def step(i: int) -> dict:
+        lr = cosine_lr(i, peak=0.5 * args.lr, min_lr=0.05 * args.lr, warmup=10, time_frac=phase_c.frac())
+        set_lr(opt, lr)
+        name = args.e2e_tasks[i % len(args.e2e_tasks)]
         ex = tasks[name][0]
         model.train()         # the storage rounding passes straight-through gradients
         loss = loss_of(model, ex, [rng.randrange(len(ex.rows)) for _ in range(args.batch)])
@@ -289,35 +278,27 @@ def _run(args) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(train_params, 1.0)
         opt.step()
-        step += 1
-        rec = {"phase": "end_to_end", "step": step, "task": name, "loss": round(loss.item(), 5),
-               "lr": lr, "elapsed_s": round(time.monotonic() - t0, 1)}
-        log(rec)
-        if step % args.eval_every == 0:
-            checkpoint(dict(rec))
-    mf.close()
-    train_s = time.monotonic() - t0
-    res = {"anchor_steps": na, "regression_steps": nr, "end_to_end_steps": step,
-           "train_seconds": round(train_s, 1), "threads": args.threads,
+        return {"phase": "end_to_end", "step": i + 1, "task": name, "loss": round(loss.item(), 5),
+                "lr": lr, "elapsed_s": round(budget.elapsed(), 1)}
+
+    step_n, _ = run_steps(StepLoop(name="cedlm train vision", step=step, stop=args.steps, metrics=metrics,
+                                   budget=phase_c, evaluate=heldout, eval_every=args.eval_every))
+    res = {"anchor_steps": na, "regression_steps": nr, "end_to_end_steps": step_n,
+           "train_seconds": round(budget.elapsed(), 1), "threads": args.threads,
            "vision_config": vc.to_dict(), "init": str(args.init),
            "vision_params": sum(p.numel() for p in train_params),
-           "digits_heldout_acc": accuracy(model, tok, tasks["digits"][1]),
-           "digits_heldout_n": len(tasks["digits"][1].rows),
-           "words_heldout_acc": accuracy(model, tok, tasks["words"][1]),
-           "words_heldout_n": len(tasks["words"][1].rows)}
+           "digits_heldout_acc": accuracy(model, tok, tasks["digits"][1], limit=args.eval_limit),
+           "digits_heldout_n": len(tasks["digits"][1].rows[:args.eval_limit]),
+           "words_heldout_acc": accuracy(model, tok, tasks["words"][1], limit=args.eval_limit),
+           "words_heldout_n": len(tasks["words"][1].rows[:args.eval_limit])}
     unseen = Examples(model, tok, T.word_examples(80, args.seed + 2000, T.UNSEEN_WORDS), T.WORD_QUESTION)
-    res["unseen_words_acc"] = accuracy(model, tok, unseen)
-    try:
-        from cedlm.train.plot import plot_metrics
-        e2e = [m for m in metrics if m.get("phase") == "end_to_end"]
-        plot_metrics([{"step": m["step"], "loss": m["loss"], "tokens": 0} for m in e2e], out / "loss.png")
-    except ImportError:
-        pass
+    res["unseen_words_acc"] = accuracy(model, tok, unseen, limit=args.eval_limit)
+    plot_loss([m for m in metrics.records if m.get("phase") == "end_to_end"], out / "loss.png")
     for p in model.parameters():
         p.requires_grad_(True)
-    (out / "args.json").write_text(json.dumps(vars(args), indent=2) + "\n")
-    save_checkpoint(out / "checkpoint", model, tok)
+    write_json(out / "args.json", vars(args))
+    save_model(out, model, tok)
     export_model(out / "checkpoint", out / "export", summary={"stage": "vision", **res})
-    (out / "eval.json").write_text(json.dumps(res, indent=2) + "\n")
+    write_json(out / "eval.json", res)
     print(json.dumps(res, indent=2))
     return 0

@@ -29,7 +29,7 @@ import tasks
 torch.set_num_threads(1)
 from cedlm.config import ModelConfig
 from cedlm.model import build_model
-from cedlm.train.train import moe_layers, update_moe_bias
+from cedlm.train.optim import moe_layers, update_moe_bias
 
 p = argparse.ArgumentParser()
 p.add_argument("--arch", default="ced", choices=["ced", "decoder_only", "gpt"])
