@@ -151,3 +151,34 @@ def test_vision_smoke(tiny_dir, tmp_path):
     assert "digits_heldout_acc_100" in rows[-1]
     assert json.loads((out / "eval.json").read_text())["end_to_end_steps"] == 2
     assert (out / "export" / "vision.safetensors").exists()
+
+
+def _documented_train_commands() -> list[tuple[str, list[str]]]:
+    """(file, argv after `cedlm`) of every `cedlm train ...` command line in the docs' code blocks
+    (continuation lines joined; lines using shell variables skipped)."""
+    import shlex
+    root = Path(__file__).resolve().parents[1]
+    out = []
+    for name in ("README.md", "FIDELITY.md", "BENCHMARKS.md", "docs/fidelity/notes.md"):
+        path = root / name
+        if not path.exists():
+            continue
+        text = path.read_text(encoding="utf-8").replace("\\\n", " ")
+        for line in text.splitlines():
+            line = line.split(" # ")[0].strip()
+            for prefix in (".venv/bin/cedlm train ", "cedlm train "):
+                if line.startswith(prefix) and "$" not in line:
+                    out.append((name, ["train", *shlex.split(line[len(prefix):])]))
+    return out
+
+
+def test_documented_train_commands_parse():
+    """Every `cedlm train` command of the README (the shipped model's stages), FIDELITY and
+    BENCHMARKS parses with the stage parsers as written."""
+    from cedlm.cli import build_parser
+    cmds = _documented_train_commands()
+    assert len({a[1] for _, a in cmds}) == 5                  # all five stages are documented
+    parser = build_parser()
+    for name, argv in cmds:
+        a = parser.parse_args(argv)
+        assert a.stage == argv[1] and a.func, (name, argv)
