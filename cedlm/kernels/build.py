@@ -9,7 +9,8 @@ Where: a per-user cache, ``$CEDLM_KERNEL_DIR/<key>`` when ``CEDLM_KERNEL_DIR`` i
 ``$XDG_CACHE_HOME/cedlm/kernels/<key>`` (``~/.cache/cedlm/kernels/<key>``). ``<key>`` hashes the
 sources, the compiler flags (ISA defines included), the ABI version, torch's and Python's versions
 and the machine type, so a checkout and an installed wheel share a build when they agree, and a
-change of any of these builds anew instead of loading a stale module. The build goes through
+change of any of these builds anew instead of loading a stale module (older builds stay until the
+directory is deleted; nothing else writes there). The build goes through
 ``torch.utils.cpp_extension.load`` (g++ + ninja; torch's file lock keeps two builders apart) and
 writes a stamp last; ``load()`` imports the built module directly (no compiler: milliseconds) and
 never compiles. When nothing is built, ``gate.py`` logs one line and the torch paths run.
