@@ -215,9 +215,13 @@ def test_ddp_two_ranks_match_one_process(corpus, tmp_path):
     # same MoE balancing decisions: the biases follow the all-reduced load exactly
     # (weights agree only to Adam-amplified rounding: g / sqrt(v) of near-zero grads)
     m2, _ = ck.load_model(tmp_path / "two")
-    # (another CPU's rounding can tip one expert's load across a tie: at most one entry per layer)
-    for l1, l2 in zip(single["model"].layers, m2.layers):
-        assert int((l1.ffn.gate.bias != l2.ffn.gate.bias).sum()) <= 1
+    # Two half batches round differently from one whole batch (other GEMM shapes), and one
+    # token whose router scores tie to the last bits can go to another expert: its old and its new
+    # expert's loads move by one, so at most those two bias entries of that layer can move (seen
+    # under MKL_ENABLE_INSTRUCTIONS=SSE4_2: 2 entries of one layer). Any other difference fails.
+    moved = [int((l1.ffn.gate.bias != l2.ffn.gate.bias).sum())
+             for l1, l2 in zip(single["model"].layers, m2.layers)]
+    assert all(n <= 2 for n in moved) and sum(n > 0 for n in moved) <= 1, moved
 
 
 def sys_args(corpus, out, *extra):
