@@ -102,7 +102,7 @@ def test_measured_bytes_per_token_equal_plan():
     eng = llm.engine
     req = eng.add_request(list(range(3, 131)), SamplingParams(max_tokens=2, temperature=0))
     eng.step()
-    st = req.state
+    st = eng.runs[req.request_id].state
     rows = sum(r.nbytes for r in list(st.kv.values()) + list(st.index.values()))
     expected = plan(model.cfg)["kv_bytes_per_token"]
     assert rows == 128 * expected                            # bytes held by the rows

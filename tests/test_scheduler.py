@@ -14,7 +14,7 @@ class FakeAlloc:
         h = self.hits.get(req.request_id, 0)
         self.held[req.request_id] = h // self.bt
         self.nfree -= h // self.bt
-        req.num_cached = req.num_prefix_hit = h
+        return h
 
     def allocate_slots(self, req, tokens):
         need = -(-tokens // self.bt) - self.held.get(req.request_id, 0)
@@ -23,6 +23,16 @@ class FakeAlloc:
         self.nfree -= max(need, 0)
         self.held[req.request_id] = self.held.get(req.request_id, 0) + max(need, 0)
         return True
+
+    def trim(self, req, tokens):
+        keep = -(-tokens // self.bt)
+        extra = self.held.get(req.request_id, 0) - keep
+        if extra > 0:
+            self.held[req.request_id] = keep
+            self.nfree += extra
+
+    def cache_full_blocks(self, req):
+        pass
 
     def free(self, req):
         self.nfree += self.held.pop(req.request_id, 0)
@@ -33,14 +43,14 @@ def mk(rid, n, max_tokens=4):
 
 
 def run_step(s, out):
-    """What the engine does with a plan: advance counters."""
+    """What the engine does with a plan: report what ran (the scheduler moves the counts)."""
     for r in out.decode:
-        r.num_cached += 1
+        s.advance(r, 1)
         r.output_ids.append(0)
     for r, n in out.prefills:
-        r.num_cached += n
-        if r.num_cached == r.num_tokens:
-            r.status = Status.RUNNING
+        s.advance(r, n)
+        if r.num_computed_tokens == r.num_tokens:
+            s.prefill_done(r)
             r.output_ids.append(0)
     for r in list(s.active):
         if r.status is Status.RUNNING and len(r.output_ids) >= r.params.max_tokens:
@@ -154,7 +164,7 @@ def test_prefix_hit_skips_cached_tokens():
     r = mk("h", 11)
     s.add(r)
     out = s.schedule()
-    assert out.prefills == [(r, 3)] and r.num_prefix_hit == 8
+    assert out.prefills == [(r, 3)] and r.num_cached_tokens == 8
 
 
 # ------------------------------------------------------------------ fair scheduling (issue 15, finding 8)
@@ -163,10 +173,10 @@ def check_plan(s, a, out):
     assert a.nfree >= 0
     assert a.nfree + sum(a.held.values()) == s.num_blocks
     for r in out.decode:
-        assert a.held[r.request_id] * a.bt >= r.num_cached + 1
+        assert a.held[r.request_id] * a.bt >= r.num_computed_tokens + 1
     for r, n in out.prefills:
         assert 0 < n <= s.prefill_chunk and r.status is Status.PREFILLING
-        assert a.held[r.request_id] * a.bt >= r.num_cached + n
+        assert a.held[r.request_id] * a.bt >= r.num_computed_tokens + n
     ids = [r.request_id for r, _ in out.prefills] + [r.request_id for r in out.decode]
     assert len(ids) == len(set(ids))                      # nothing planned twice
     if len(out.prefills) > 1:                             # beyond the one guaranteed chunk: in budget
@@ -181,7 +191,7 @@ def test_short_request_behind_a_long_prefill_is_admitted_and_prefilled_at_once()
     s.add(long)
     for _ in range(3):                                    # its prefill is under way
         out = s.schedule(); check_plan(s, a, out); run_step(s, out)
-    assert long.status is Status.PREFILLING and 0 < long.num_cached < 16384
+    assert long.status is Status.PREFILLING and 0 < long.num_computed_tokens < 16384
     short = mk("short", 20, max_tokens=4)
     s.add(short)
     out = s.schedule()
@@ -195,7 +205,7 @@ def test_short_request_behind_a_long_prefill_is_admitted_and_prefilled_at_once()
         out = s.schedule(); check_plan(s, a, out); run_step(s, out)
         steps += 1
     assert steps <= short.params.max_tokens               # one decode per step, never held up
-    assert not long.finished and long.num_cached > 3 * 512   # the long one kept going meanwhile
+    assert not long.finished and long.num_computed_tokens > 3 * 512   # the long one kept going meanwhile
     drain(s)
     assert long.finished and a.nfree == 2000 and not a.held
 

@@ -241,7 +241,7 @@ def test_alias_table_and_cli_helpers():
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers())
     a = p.parse_args(["serve", "--kv-budget", "64M", "--alias", "x=deprecated", "--alias", "y"])
-    assert a.host == "127.0.0.1" and a.port == 8000 and a.kv_budget == 64 << 20 and a.threads == 1
+    assert a.host == "127.0.0.1" and a.port == 8000 and a.kv_budget_bytes == 64 << 20 and a.num_threads == 1
     assert a.alias == ["x=deprecated", "y"] and a.model is None and a.prefill_mode == "bounded"
 
 

@@ -89,7 +89,7 @@ class OracleDrafts(DSparkSpeculator):
         super().__init__(model, config)
         self.ref = ref
 
-    def draft(self, reqs, anchors, P):
+    def draft(self, reqs, runs, anchors, P):
         N, Vv = self.model.cfg.dspark_block_size, self.model.cfg.vocab_size
         toks = torch.zeros(len(reqs), N, dtype=torch.int64)
         for b, r in enumerate(reqs):

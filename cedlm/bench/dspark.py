@@ -6,8 +6,8 @@ documents (`data/corpus/val.txt`). Each configuration runs the same prompts thro
 `Engine` (same settings, prefix cache off): plain decoding; DSpark verifying the whole block
 (threshold 0); DSpark with confidence-scheduled verification (the verified length follows the
 running product of the confidences, `--speculative-threshold`). Decode time is the time spent in
-the engine's decode step (`Engine._decode`: drafting, verification, rollback, sampling), prefill
-excluded; decode speed = tokens emitted by those steps / that time. Every speculative output is
+the engine steps once every prompt is prefilled (drafting, verification, rollback, sampling),
+prefill excluded; decode speed = tokens emitted by those steps / that time. Every speculative output is
 compared token for token with the plain one. Tokens per target forward = emitted tokens /
 verification forwards (one per sequence per step); acceptance by position = accepted / verified
 drafts at each block position.
@@ -39,27 +39,24 @@ def _prompts(tok, n: int, length: int) -> list[list[int]]:
 
 
 def _run(model, tok, prompts, max_tokens: int, spec) -> dict:
-    """One group of prompts decoded together by a fresh engine: decode seconds and tokens (time in
-    `Engine._decode`), outputs, and the speculator's counters."""
+    """One group of prompts decoded together by a fresh engine: decode seconds and tokens (the
+    engine steps once every prompt is prefilled, and the tokens their StepOutputs carry),
+    outputs, and the speculator's counters."""
     from cedlm.engine.engine import Engine, EngineConfig
+    from cedlm.engine.request import Status
     from cedlm.engine.sampling_params import SamplingParams
     e = Engine(model, tok, EngineConfig(kv_budget_bytes=64 << 20, max_num_seqs=len(prompts),
                                         enable_prefix_cache=False), speculative=spec)
     spent = {"s": 0.0, "tokens": 0}
-    inner = e._decode
-
-    def timed(reqs):
-        before = sum(len(r.output_ids) for r in reqs)
-        t0 = time.perf_counter()
-        out = inner(reqs)
-        spent["s"] += time.perf_counter() - t0
-        spent["tokens"] += sum(len(r.output_ids) for r in reqs) - before
-        return out
-    e._decode = timed
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     reqs = [e.add_request(p, params) for p in prompts]
     while e.has_work:
-        e.step()
+        decoding = all(r.status in (Status.RUNNING, Status.FINISHED) for r in reqs)
+        t0 = time.perf_counter()
+        outs = e.step()
+        if decoding:
+            spent["s"] += time.perf_counter() - t0
+            spent["tokens"] += sum(len(o.new_token_ids) for o in outs)
     return {"s": spent["s"], "tokens": spent["tokens"], "outputs": [r.output_ids for r in reqs],
             "stats": e.speculator.stats if e.speculator is not None else None}
 

@@ -2,8 +2,9 @@
 four verbs a scheduler needs (`get_computed_blocks`, `allocate_slots`, `free`,
 `cache_full_blocks`).
 
-It works on integers and block tables: a request is anything with `all_ids`, `num_cached`,
-`num_prefix_hit`, `num_blocks` and `table` attributes; it never sees the model. The global rows
+It works on integers and holds the block tables, by request id: a request is anything with
+`request_id`, `all_ids`, `num_computed_tokens` (read only; the scheduler writes it), `params`
+and `images`; it never sees the model and writes nothing on the request. The global rows
 live in the pool; window rings are per sequence (sized by the KV layout) and are the engine's.
 Full blocks are published under chained prefix hashes (salted with the model fingerprint) and,
 with a store, written through to it; a later prefix hit reads them back from the pool or, past
@@ -55,6 +56,7 @@ class KVCacheManager:
         self.layout, self.block_tokens = layout, block_tokens
         self.pool = BlockPool(layout, num_blocks, block_tokens)
         self.fingerprint, self.enable_prefix_cache = fingerprint, enable_prefix_cache
+        self.tables: dict[str, BlockTable] = {}  # request id -> the blocks it holds
         self._stored: set[str] | None = None     # keys known to be in the store
         self._stats = {"store_block_hits": 0, "store_errors": 0}
         self.store = guard_store(store, stats=self._stats)  # counters and breaker states land in stats
@@ -83,10 +85,10 @@ class KVCacheManager:
     # ---------------------------------------------------------------- the four verbs
     def get_computed_blocks(self, req, use_prefix_cache: bool = True) -> int:
         """At admission: give req a block table that starts with the longest cached prefix
-        (pool, then store); returns the number of tokens it covers (req.num_cached). With
-        use_prefix_cache=False the table starts empty (a request whose every row must run)."""
-        req.table = BlockTable(self.pool)
-        req.num_cached = req.num_prefix_hit = req.num_blocks = 0
+        (pool, then store); returns the number of tokens it covers (the scheduler records it).
+        With use_prefix_cache=False the table starts empty (a request whose every row must run)."""
+        self.free(req)                           # a table left from an earlier try goes
+        table = self.tables[req.request_id] = BlockTable(self.pool)
         if not (self.enable_prefix_cache and use_prefix_cache):
             return 0
         bt, ids = self.block_tokens, req.all_ids
@@ -97,48 +99,57 @@ class KVCacheManager:
         except BaseException:
             for b in blocks:                     # nothing held on a failed admission
                 self.pool.release(b)
+            del self.tables[req.request_id]
             raise
-        req.table.adopt(blocks)
-        req.num_cached = req.num_prefix_hit = len(blocks) * bt
-        req.num_blocks = len(blocks)
-        return req.num_cached
+        table.adopt(blocks)
+        return len(blocks) * bt
+
+    def num_blocks_of(self, req) -> int:
+        """Blocks req holds now."""
+        t = self.tables.get(req.request_id)
+        return 0 if t is None else len(t.blocks)
 
     def allocate_slots(self, req, num_tokens: int) -> bool:
         """Make req hold blocks for its first num_tokens positions; False (nothing taken) when
         the pool cannot."""
-        need = -(-num_tokens // self.block_tokens) - len(req.table.blocks)
+        table = self.tables.get(req.request_id)
+        if table is None:
+            table = self.tables[req.request_id] = BlockTable(self.pool)
+        need = -(-num_tokens // self.block_tokens) - len(table.blocks)
         if need > self.pool.num_free:
             return False
-        req.table.ensure(len(req.table.blocks) + max(need, 0))
-        req.num_blocks = len(req.table.blocks)
+        table.ensure(len(table.blocks) + max(need, 0))
         return True
 
     def trim(self, req, num_tokens: int) -> None:
-        """Release req's blocks past its first num_tokens positions (the rows of rejected
-        speculative tokens); blocks it still needs stay."""
+        """Release req's blocks past its first num_tokens positions (speculative lookahead slots
+        not used); blocks it still needs stay."""
         keep = -(-num_tokens // self.block_tokens)
-        if req.table is not None and len(req.table.blocks) > keep:
-            req.table.truncate(keep)
-            req.num_blocks = len(req.table.blocks)
+        table = self.tables.get(req.request_id)
+        if table is not None and len(table.blocks) > keep:
+            table.truncate(keep)
 
     def free(self, req) -> None:
         """Publish req's full blocks, then release everything it holds."""
-        if req.table is not None:
-            try:
-                self.cache_full_blocks(req)
-            finally:
-                req.table.free()
-        req.table, req.num_blocks = None, 0
+        table = self.tables.get(req.request_id)
+        if table is None:
+            return
+        try:
+            self.cache_full_blocks(req)
+        finally:
+            table.free()
+            del self.tables[req.request_id]
 
     def cache_full_blocks(self, req) -> None:
         """Publish the complete blocks of req's computed tokens to the prefix cache and the store."""
-        if not self.enable_prefix_cache or req.table is None:
+        table = self.tables.get(req.request_id)
+        if not self.enable_prefix_cache or table is None:
             return
         bt = self.block_tokens
-        n_full = min(req.num_cached // bt, len(req.table.blocks))
+        n_full = min(req.num_computed_tokens // bt, len(table.blocks))
         store_ok = True                          # one failed write per call at most
-        for b, h in zip(req.table.blocks, self.hashes(req.all_ids[: n_full * bt], _cache_salt(req),
-                                                      _image_spans(req))):
+        for b, h in zip(table.blocks, self.hashes(req.all_ids[: n_full * bt], _cache_salt(req),
+                                                  _image_spans(req))):
             self.pool.register(b, h)
             if store_ok:
                 store_ok = self._store_block(b, h)
@@ -151,23 +162,25 @@ class KVCacheManager:
         n_full, part = divmod(num_tokens, bt)
         if part and pool.num_free < 1:
             return False
+        src_blocks = self.tables[src.request_id].blocks
         table = BlockTable(pool)
-        shared = src.table.blocks[:n_full]
+        shared = src_blocks[:n_full]
         for b in shared:
             pool.incref(b)
         table.adopt(shared)
         if part:
-            b, a = pool.allocate(), src.table.blocks[n_full]
+            b, a = pool.allocate(), src_blocks[n_full]
             for t in pool.data.values():
                 t[b] = t[a]
             table.blocks.append(b)
-        dst.table, dst.num_blocks = table, len(table.blocks)
+        self.free(dst)
+        self.tables[dst.request_id] = table
         return True
 
     # ---------------------------------------------------------------- rows for a sequence
     def rows(self, req):
         """Row factory for a SequenceState whose global rows live in req's blocks."""
-        return self.pool.rows(req.table)
+        return self.pool.rows(self.tables[req.request_id])
 
     # ---------------------------------------------------------------- store spill
     def _stored_keys(self) -> set[str]:

@@ -12,6 +12,8 @@ import math
 import sys
 import time
 
+from cedlm.engine.args import add_cli_args
+
 PROG = "cedlm generate"
 
 
@@ -36,18 +38,9 @@ def add_parser(sub) -> None:
                    default=None, metavar="K",
                    help="score the prompt: logprob of every prompt token (+ top-K in --json); "
                         "prints the prompt's total logprob and perplexity")
-    p.add_argument("--prefill-mode", "--prefill_mode", dest="prefill_mode", default="bounded",
-                   choices=["full", "exact", "bounded"])
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (1 is fastest for small models on a busy machine)")
-    p.add_argument("--engram-mmap", "--engram_mmap", dest="engram_mmap", default=None,
-                   help="directory to memory-map the Engram tables from (host memory / disk)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--speculative", nargs="?", const="dspark", default=None, metavar="METHOD",
-                   help="speculative decoding with the model's DSpark drafter (mtp.safetensors)")
-    p.add_argument("--speculative-threshold", "--speculative_threshold", dest="speculative_threshold",
-                   type=float, default=0.0,
-                   help="verify drafts while the product of their confidences is >= this (0: whole block)")
+    # the engine options (engine/args.py); --seed here is the sampling seed (above)
+    add_cli_args(p, skip=("seed",))
     p.set_defaults(func=run)
 
 
@@ -73,8 +66,11 @@ def _run(args) -> int:
                             prompt_logprobs=args.prompt_logprobs)
     except ValueError as e:
         return _error(str(e))
-    if args.threads is not None and args.threads < 1:
-        return _error(f"--threads: must be >= 1, got {args.threads}")
+    from cedlm.engine.args import EngineArgs
+    try:
+        engine_args = EngineArgs.from_cli(args, skip=("seed",))   # --seed: sampling
+    except ValueError as e:
+        return _error(str(e).replace("num_threads:", "--threads:", 1))
     if isinstance(args.model, str) and args.model in PRESETS and not args.random_weights:
         print(f"{PROG}: WARNING: --model {args.model} is a preset with RANDOM weights: its output is "
               f"noise (pass a checkpoint directory, or --random-weights to silence this)",
@@ -83,9 +79,7 @@ def _run(args) -> int:
     from cedlm.engine.llm import LLM
     t0 = time.monotonic()
     try:
-        llm = LLM(model=args.model, prefill_mode=args.prefill_mode, num_threads=args.threads,
-                  engram_mmap=args.engram_mmap, speculative=args.speculative,
-                  speculative_threshold=args.speculative_threshold)
+        llm = LLM(model=args.model, args=engine_args)
     except (OSError, ValueError) as e:          # no such model, bad config (ConfigError), unreadable
         return _error(str(e) if str(e).startswith(("model", "speculative", "num_draft_tokens"))
                       else f"model: {e}")

@@ -3,11 +3,14 @@
 Outputs are plain Python values (ints, floats, strings, lists): no tensors."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from cedlm.engine.engine import Engine, EngineConfig
+from cedlm.engine.args import EngineArgs
+from cedlm.engine.engine import Engine
 from cedlm.engine.loader import load
+from cedlm.engine.output import StepOutput
 from cedlm.engine.request import Request, TokenLogprob, select_samples
 from cedlm.engine.sampling_params import SamplingParams
 
@@ -47,17 +50,28 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
 
 
-def completion_output(r: Request) -> CompletionOutput:
-    """A finished sample as plain Python values."""
-    want_lp = r.params.logprobs is not None
-    top = None
-    if want_lp and r.params.logprobs:
-        top = [(ids.tolist(), [float(v) for v in lps.tolist()]) if hasattr(ids, "tolist") else (list(ids), list(lps))
-               for ids, lps in r.top_logprobs]
-    return CompletionOutput(r.sample_index, r.text, list(r.output_ids), r.finish_reason,
-                            getattr(r.stop, "stop_reason", None),
-                            [float(v) for v in r.output_logprobs] if want_lp else None, top,
-                            r.cumulative_logprob)
+class _Collected:
+    """One sample's StepOutputs added up (LLM.generate)."""
+
+    def __init__(self, index: int):
+        self.index, self.token_ids, self.logprobs, self.top, self.text = index, [], [], [], ""
+        self.finish_reason = self.stop_reason = None
+
+    def add(self, o: StepOutput) -> None:
+        self.token_ids += o.new_token_ids
+        self.logprobs += o.new_logprobs
+        self.top += o.new_top_logprobs or ()
+        self.text += o.text
+        if o.finished:
+            self.finish_reason, self.stop_reason = o.finish_reason, o.stop_reason
+
+    def output(self, params: SamplingParams) -> CompletionOutput:
+        """The finished sample as plain Python values."""
+        want_lp = params.logprobs is not None
+        top = [(list(i), list(v)) for i, v in self.top] if want_lp and params.logprobs else None
+        return CompletionOutput(self.index, self.text, list(self.token_ids), self.finish_reason,
+                                self.stop_reason, list(self.logprobs) if want_lp else None, top,
+                                float(sum(self.logprobs)))
 
 
 def _split_images(prompt):
@@ -73,28 +87,25 @@ def _split_images(prompt):
 
 
 class LLM:
-    def __init__(self, model=None, tokenizer=None, *, prefill_mode: str = "bounded",
-                 kv_budget_bytes: int = 256 << 20, max_num_seqs: int = 16, block_tokens: int = 64,
-                 prefill_chunk: int = 512, replay_mode: str = "bounded", enable_prefix_cache: bool = True,
-                 max_model_len: int | None = None, store=None, seed: int = 0,
-                 num_threads: int | None = None, engram_mmap: str | None = None,
-                 speculative: str | None = None, speculative_threshold: float = 0.0,
-                 num_draft_tokens: int | None = None):
-        """speculative="dspark": DSpark speculative decoding with the model's drafter (its
-        `mtp.safetensors`); speculative_threshold: verify drafts while the product of their
-        confidences stays >= it (0: the whole block); num_draft_tokens: at most this many per block."""
-        spec = None
-        if speculative is not None:           # the options first: fail before loading a model
-            from cedlm.engine.speculative import SpeculativeConfig
-            spec = SpeculativeConfig(speculative, speculative_threshold, num_draft_tokens)
-        elif speculative_threshold or num_draft_tokens is not None:
-            raise ValueError("speculative: speculative_threshold / num_draft_tokens need speculative='dspark'")
-        if num_threads is not None:
+    def __init__(self, model=None, tokenizer=None, *, args: EngineArgs | None = None, **options):
+        """`model`: a checkpoint directory, a preset name or a CEDModel; the engine options are
+        `EngineArgs` fields (engine/args.py: kv_budget_bytes, max_num_seqs, block_tokens,
+        prefill_chunk, prefill_mode, replay_mode, enable_prefix_cache, max_model_len,
+        speculative="dspark", speculative_threshold, num_draft_tokens, num_threads, engram_mmap,
+        seed, store), as keywords or as `args`."""
+        if args is not None and options:
+            raise ValueError(f"args: pass EngineArgs or keyword options, not both ({sorted(options)})")
+        bad = sorted(set(options) - {f.name for f in dataclasses.fields(EngineArgs)})
+        if bad:
+            raise ValueError(f"{bad[0]}: not an engine option (see cedlm.engine.args.EngineArgs)")
+        self.args = a = args or EngineArgs(**options)     # the options first: fail before loading
+        if a.num_threads is not None:
             import torch
-            torch.set_num_threads(num_threads)
-        self.model, self.tokenizer = load(model, tokenizer, seed)
-        if engram_mmap is not None:
-            self.model.offload_engram(engram_mmap)
+            torch.set_num_threads(a.num_threads)
+        self.model, self.tokenizer = load(model, tokenizer, a.seed)
+        if a.engram_mmap is not None:
+            self.model.offload_engram(a.engram_mmap)
+        store = a.store
         if isinstance(store, str):
             from cedlm.cache.store import StoreConnectionError, open_store
             try:
@@ -104,11 +115,8 @@ class LLM:
                 logging.getLogger(__name__).warning("%s; starting anyway, every store call is a miss "
                                                     "until it answers", e)
                 store = open_store(store, check_connection=False)
-        self.engine = Engine(self.model, self.tokenizer, EngineConfig(
-            kv_budget_bytes=kv_budget_bytes, max_num_seqs=max_num_seqs, block_tokens=block_tokens,
-            prefill_chunk=prefill_chunk, prefill_mode=prefill_mode, replay_mode=replay_mode,
-            enable_prefix_cache=enable_prefix_cache, max_model_len=max_model_len), store=store,
-            speculative=spec)
+        self.engine = Engine(self.model, self.tokenizer, a.engine_config(), store=store,
+                             speculative=a.speculative_config())
 
     def encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -131,15 +139,19 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} for {len(prompts)} prompts")
         groups: list[list[Request]] = []
+        got: dict[str, _Collected] = {}
         t0 = time.monotonic()
         try:
             for p, sp in zip(prompts, params):
                 p, images = _split_images(p)
                 groups.append(self.engine.add_samples(self.encode(p), sp or SamplingParams(),
                                                       images=images))
+                got.update((r.request_id, _Collected(r.sample_index)) for r in groups[-1])
             reqs = [r for g in groups for r in g]
             while any(not r.finished for r in reqs):
-                self.engine.step()
+                for o in self.engine.step():
+                    if o.request_id in got:
+                        got[o.request_id].add(o)
             failed = next((r for r in reqs if r.finish_reason == "error"), None)
             if failed is not None:
                 raise RuntimeError(f"request {failed.request_id} failed: {failed.error}")
@@ -151,14 +163,14 @@ class LLM:
         dt = time.monotonic() - t0
         outs = []
         for p, sp, g in zip(prompts, params, groups):
-            lead = g[0]
-            samples = [completion_output(r) for r in select_samples(g, (sp or SamplingParams()).n)]
+            lead, sp = g[0], sp or SamplingParams()
+            samples = select_samples([got[r.request_id].output(r.params) for r in g], sp.n)
             first = samples[0]
             p = _split_images(p)[0]
             outs.append(RequestOutput(
                 lead.group_id, p if isinstance(p, str) else None, list(lead.prompt_ids), first.text,
                 first.token_ids, first.finish_reason, first.logprobs, first.top_logprobs,
-                lead.num_prefix_hit,
+                lead.num_cached_tokens,
                 {"elapsed_s": dt, "preemptions": sum(r.num_preemptions for r in g)},
                 lead.prompt_logprobs if lead.params.prompt_logprobs is not None else None,
                 samples))

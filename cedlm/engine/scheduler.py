@@ -1,8 +1,8 @@
 """Continuous batching over integers: admission by KV budget, fair chunked prefill, preemption.
 
 Each engine step runs (a) one decode token for every running sequence and (b) encoder chunks of
-prefilling sequences, each chunk `min(prefill_chunk, tokens left)` tokens (the engine's
-PrefillRun steps in exactly those chunks). The step's token budget, `max_batched_tokens`
+prefilling sequences, each chunk `min(prefill_chunk, tokens left)` tokens (the chunk size goes
+into the engine's `PrefillRun.step(n)`). The step's token budget, `max_batched_tokens`
 (default `prefill_chunk + max_num_seqs`), goes to the decodes first (one token each); prefill
 chunks share the rest, at least one chunk per step whatever the decodes took:
 
@@ -21,10 +21,17 @@ chunks share the rest, at least one chunk per step whatever the decodes took:
 Blocks are reserved BEFORE the model runs, through the KV cache manager's integer verbs, so the
 model's cache appends never fail mid-forward:
 
-    kv.get_computed_blocks(req)       -> prefix lookup at admission; sets req.num_cached
+    kv.get_computed_blocks(req)       -> prefix lookup at admission: tokens covered
                                          (skipped for a prompt to be scored: prompt_logprobs)
     kv.allocate_slots(req, tokens)    -> bool: req holds blocks for `tokens` positions
+    kv.trim(req, tokens)              -> release blocks past `tokens` positions
     kv.free(req)                      -> frees everything req holds
+
+The scheduler owns every token count of a request (`num_computed_tokens`, `num_cached_tokens`,
+`status`, `num_preemptions`, `first_scheduled_time`): the engine reports what ran (`advance`,
+`prefill_done`, `finish`) and the scheduler moves the counts. Speculative decoding reserves its
+lookahead slots through `reserve_lookahead` (all or none for a batch); `advance` releases the
+ones not kept, preemption and finish release everything.
 
 When a running sequence cannot grow, the most recently admitted other sequence is preempted
 (its KV freed; it waits again at the front and is later recomputed from its token ids). A
@@ -33,6 +40,7 @@ is rejected at `add` with an error that names the limit.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -48,6 +56,7 @@ class SchedulerOutput:
     decode: list[Request] = field(default_factory=list)
     prefills: list[tuple[Request, int]] = field(default_factory=list)   # (request, chunk tokens)
     preempted: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)              # newly admitted this step
 
     @property
     def empty(self) -> bool:
@@ -119,11 +128,49 @@ class Scheduler:
     def has_free_slot(self) -> bool:
         return len(self.active) < self.max_num_seqs
 
-    def start_running(self, req: Request) -> None:
+    def start_running(self, req: Request, num_computed_tokens: int) -> None:
         """Admit a request whose KV the engine has already put in place (a sample started from a
-        copy of another sample's prefill): it holds its blocks and decodes from the next step."""
+        copy of another sample's prefill, `num_computed_tokens` positions): it holds its blocks
+        and decodes from the next step."""
         req.status = Status.RUNNING
+        req.num_computed_tokens, req.num_cached_tokens = num_computed_tokens, 0
+        self._first_scheduled(req)
         self.active.append(req)
+
+    def fork(self, src: Request, dst: Request, num_tokens: int) -> bool:
+        """Start dst running from src's first num_tokens positions (a sample of the same prompt:
+        src's full blocks shared, the partial one copied); False (nothing taken) when there is
+        no free sequence slot or block."""
+        if not self.has_free_slot or not self.kv.fork(src, dst, num_tokens):
+            return False
+        self.start_running(dst, num_tokens)
+        return True
+
+    # ---------------------------------------------------------------- what the engine ran
+    def advance(self, req: Request, num_tokens: int) -> None:
+        """The engine computed num_tokens more positions of req (a prefill chunk, a decode token,
+        a verified speculative block); lookahead slots past the next position are released."""
+        req.num_computed_tokens += num_tokens
+        if req.status is Status.RUNNING:
+            self.kv.trim(req, req.num_computed_tokens + 1)
+
+    def prefill_done(self, req: Request) -> None:
+        """req's prompt is in the cache: its full blocks are published (prefix cache, store)
+        and it decodes from the next step."""
+        req.status = Status.RUNNING
+        self.kv.cache_full_blocks(req)
+
+    def reserve_lookahead(self, reqs: list[Request], num_tokens: int) -> bool:
+        """Speculative decoding: slots for num_tokens positions past each request's next one
+        (drafts to verify), for all of reqs or for none (False, nothing kept)."""
+        if num_tokens <= 0:
+            return True
+        for r in reqs:
+            if not self.kv.allocate_slots(r, r.num_computed_tokens + 1 + num_tokens):
+                for q in reqs:
+                    self.kv.trim(q, q.num_computed_tokens + 1)
+                return False
+        return True
 
     def abort(self, req: Request) -> None:
         if req in self.waiting:
@@ -142,7 +189,11 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self._passed_over.pop(id(req), None)
         self.kv.free(req)
-        req.state = req.prefill = None          # the engine's per-sequence objects go with it
+
+    @staticmethod
+    def _first_scheduled(req: Request) -> None:
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
 
     @property
     def has_work(self) -> bool:
@@ -157,7 +208,7 @@ class Scheduler:
         self.active.remove(req)
         self._release(req)
         req.status = Status.WAITING
-        req.num_cached = req.num_prefix_hit = 0
+        req.num_computed_tokens = req.num_cached_tokens = 0
         req.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req)
@@ -166,7 +217,8 @@ class Scheduler:
         """Admission: the longest prefix-cached run of blocks, except for a request whose prompt
         is to be scored (prompt_logprobs): a hit would skip rows that must run the decoder, so it
         starts from an empty block table (its blocks are still published when computed)."""
-        self.kv.get_computed_blocks(req, use_prefix_cache=not req.needs_prompt_logprobs)
+        hit = self.kv.get_computed_blocks(req, use_prefix_cache=not req.needs_prompt_logprobs)
+        req.num_computed_tokens = req.num_cached_tokens = hit
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -174,7 +226,7 @@ class Scheduler:
         for req in [r for r in self.active if r.status is Status.RUNNING]:
             if not any(r is req for r in self.active):
                 continue                                  # preempted while serving an older one
-            while not self.kv.allocate_slots(req, req.num_cached + 1):
+            while not self.kv.allocate_slots(req, req.num_computed_tokens + 1):
                 victims = [r for r in self.active
                            if r is not req and not any(r is d for d in out.decode)]
                 if not victims:
@@ -184,24 +236,28 @@ class Scheduler:
             else:
                 out.decode.append(req)
         # 2. admission: in arrival order, while a slot is free and the whole sequence fits.
-        self._admit()
+        out.admitted = self._admit()
         # 3. prefill chunks: the budget left after the decodes, shortest remaining first, the
         #    ones passed over too long before everyone.
         self._plan_prefills(out, self.max_batched_tokens - len(out.decode))
         return out
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Request]:
+        admitted = []
         while self.waiting and len(self.active) < self.max_num_seqs:
             cand = self.waiting[0]
             self._lookup(cand)
             if not self.kv.allocate_slots(cand, cand.num_tokens):
                 self._release(cand)                       # not now: wait for memory
-                cand.num_cached = cand.num_prefix_hit = 0
-                return
+                cand.num_computed_tokens = cand.num_cached_tokens = 0
+                return admitted
             self.waiting.popleft()
             cand.status = Status.PREFILLING
+            self._first_scheduled(cand)
             self.active.append(cand)
             self._passed_over[id(cand)] = 0
+            admitted.append(cand)
+        return admitted
 
     def _plan_prefills(self, out: SchedulerOutput, budget: int) -> None:
         pre = [r for r in self.active if r.status is Status.PREFILLING]
@@ -214,12 +270,12 @@ class Scheduler:
             w = wait.get(id(r), 0)
             if w >= self.max_prefill_wait:
                 return (0, -w, order[id(r)])              # passed over too long: first
-            return (1, r.num_tokens - r.num_cached, order[id(r)])
+            return (1, r.num_tokens - r.num_computed_tokens, order[id(r)])
 
         for r in sorted(pre, key=key):
-            n = min(self.prefill_chunk, r.num_tokens - r.num_cached)
+            n = min(self.prefill_chunk, r.num_tokens - r.num_computed_tokens)
             fits = n <= budget or not out.prefills        # at least one chunk per step
-            if fits and n > 0 and self.kv.allocate_slots(r, r.num_cached + n):
+            if fits and n > 0 and self.kv.allocate_slots(r, r.num_computed_tokens + n):
                 out.prefills.append((r, n))
                 budget -= n
                 wait[id(r)] = 0

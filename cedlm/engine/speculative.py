@@ -1,22 +1,27 @@
-"""DSpark speculative decoding in the engine: draft a block, verify it in one target forward,
-keep the accepted prefix, roll back the rest.
+"""DSpark speculative decoding as a propose / verify module: draft a block, verify it in one
+target forward, keep the accepted prefix, roll back the rest, return the tokens.
 
 Per engine step, for the running sequences that can speculate (no logits processing, no top
 logprobs: their sampling distribution is the plain temperature / top-k / top-p one):
-1. draft: `dspark.draft_block` + `markov_decode` give N = dspark_block_size draft tokens per
-   sequence (greedy rows take the argmax, sampled rows draw from the draft distribution q);
-2. schedule: verify the drafts while the running product of their confidences stays at or above
+1. `propose`: `dspark.draft_block` + `markov_decode` give N = dspark_block_size draft tokens per
+   sequence (greedy rows take the argmax, sampled rows draw from the draft distribution q); the
+   drafts to verify: while the running product of their confidences stays at or above
    `threshold` (0 verifies the whole block), capped by what the request may still emit;
-3. verify: one target forward over [anchor, drafts...] for the batch (`rollback.verify`; rows
+2. the engine reserves the lookahead slots through the scheduler (`Scheduler.reserve_lookahead`;
+   when the pool cannot hold them, `Proposal.without_drafts` verifies none: one plain token);
+3. `verify`: one target forward over [anchor, drafts...] for the batch (`rollback.verify`; rows
    padded to the longest verified length, the padding is rolled back like a rejection);
 4. accept (`accept_greedy` / `accept_sampled`): greedy keeps drafts while they equal the target's
    argmax, then the target's token (the plain greedy output, up to float near-ties: the
    verification forward runs other GEMM shapes and MoE groupings than a one-token step, as
    batching does); sampled runs standard speculative rejection sampling, which leaves the output
    distribution that of the target (tests/test_speculative.py);
-5. roll back the rejected rows (`rollback.rollback`), trim the blocks, write the drafter's
-   context rows for the kept positions, and emit the tokens through the stop checker one by one.
-Other sequences decode one token as usual in the same step.
+5. roll back the rejected rows (`rollback.rollback`), write the drafter's context rows for the
+   kept positions, and return each sequence's kept tokens with their logprobs. The engine then
+   advances the scheduler's counts (which releases the unused slots) and emits the tokens
+   through the stop checker one by one.
+Other sequences decode one token as usual in the same step. This module touches the sequences'
+model state and draft state (`SequenceRuntime.state`, `.draft`) and nothing else of the engine.
 """
 from __future__ import annotations
 
@@ -98,6 +103,27 @@ def can_speculate(params) -> bool:
 
 
 @dataclass
+class Proposal:
+    """Draft blocks for a batch of running sequences: anchors [B] (each one's last token),
+    positions P [B] (its next position), drafts [B, N] and their logits [B, N, V], and k[b], the
+    drafts of sequence b to verify (the verify forward runs 1 + max(k) positions)."""
+    anchors: torch.Tensor
+    positions: torch.Tensor
+    drafts: torch.Tensor
+    draft_logits: torch.Tensor
+    k: list[int]
+
+    @property
+    def num_lookahead(self) -> int:
+        """Positions past each sequence's next one that the verify forward writes."""
+        return max(self.k, default=0)
+
+    def without_drafts(self) -> "Proposal":
+        """Verify nothing (one plain token per sequence): the lookahead could not be reserved."""
+        return Proposal(self.anchors, self.positions, self.drafts, self.draft_logits, [0] * len(self.k))
+
+
+@dataclass
 class SpecStats:
     steps: int = 0                   # verify forwards (one per sequence per speculative step)
     drafted: int = 0
@@ -146,101 +172,95 @@ class DSparkSpeculator:
             if n[b]:
                 st.write([r[b, : n[b]] for r in rows], pos[b, : n[b]])
 
-    def prefill_step(self, req) -> bool:
-        """One prefill chunk; when the prompt is done, the drafter's context from its last rows."""
+    def prefill_step(self, run, num_tokens: int) -> bool:
+        """One prefill chunk of run's `PrefillRun` (`num_tokens`, the scheduler's chunk); when the
+        prompt is done, the drafter's context from its last rows goes into `run.draft`."""
         with capture(self.model, taps=True) as cap:
-            done = req.prefill.step()
+            done = run.prefill.step(num_tokens)
         if done:
-            req.draft = self.new_draft_state()
+            run.draft = self.new_draft_state()
             if cap.taps is not None:
                 T = cap.taps.shape[1]
-                self.write_context([req.draft], cap.taps, [req.state.num_tokens - T], [T])
+                self.write_context([run.draft], cap.taps, [run.state.num_tokens - T], [T])
         return done
 
-    # ---------------------------------------------------------------- one step
-    def step(self, engine, reqs) -> list:
-        spec = [r for r in reqs if can_speculate(r.params)]
-        plain = [r for r in reqs if not can_speculate(r.params)]
-        finished = engine._decode_plain(plain) if plain else []
-        if spec:
-            finished += self._speculate(engine, spec)
-        return finished
-
-    def draft(self, reqs, anchors: torch.Tensor, P: torch.Tensor):
+    # ---------------------------------------------------------------- propose
+    def draft(self, reqs, runs, anchors: torch.Tensor, P: torch.Tensor):
         """One block per sequence: (draft tokens [B, N], draft logits [B, N, V], confidence
         [B, N]); greedy rows take the argmax, sampled rows draw from their draft distribution."""
-        h, base = dspark.draft_block(self.model, [r.draft for r in reqs], anchors, P)
+        h, base = dspark.draft_block(self.model, [u.draft for u in runs], anchors, P)
 
         def choose(logits, i):
             out = logits.argmax(-1)
             for b, r in enumerate(reqs):
                 if not r.params.greedy:
-                    out[b] = torch.multinomial(probs(logits[b], r.params), 1, generator=r.generator)[0]
+                    out[b] = torch.multinomial(probs(logits[b], r.params), 1, generator=runs[b].generator)[0]
             return out
         return dspark.markov_decode(self.model, h, base, anchors, choose)
 
-    def _budget(self, engine, r) -> int:
-        """Drafts worth verifying: what the request may still emit, minus the target's token."""
-        left = min(r.params.max_tokens - len(r.output_ids) if r.params.max_tokens is not None else 1 << 30,
-                   engine.max_model_len - r.num_tokens)
-        return max(0, min(self.k_max, left - 1))
-
     @torch.no_grad()
-    def _speculate(self, engine, reqs) -> list:
-        model, st = self.model, self.stats
-        for r in reqs:
-            if getattr(r, "draft", None) is None:
-                r.draft = self.new_draft_state()       # context fills as it decodes
+    def propose(self, reqs, runs, tokens_left: list[int]) -> Proposal:
+        """Draft a block for each running sequence (reqs, their runtimes); tokens_left[b]: what
+        sequence b may still emit (max_tokens, max_model_len), so it verifies at most one fewer."""
         t0 = time.perf_counter()
+        for u in runs:
+            if u.draft is None:
+                u.draft = self.new_draft_state()       # context fills as it decodes
         anchors = torch.tensor([r.output_ids[-1] for r in reqs])
-        P = torch.tensor([r.state.num_tokens for r in reqs])
-        drafts, dlogits, conf = self.draft(reqs, anchors, P)
+        P = torch.tensor([u.state.num_tokens for u in runs])
+        drafts, dlogits, conf = self.draft(reqs, runs, anchors, P)
         k = []
-        for b, r in enumerate(reqs):
-            kb = self._budget(engine, r)
+        for b, left in enumerate(tokens_left):
+            kb = max(0, min(self.k_max, left - 1))
             if self.cfg.threshold > 0:
                 surv = torch.cumprod(conf[b], 0)
                 kb = min(kb, int((surv >= self.cfg.threshold).sum()))
             k.append(kb)
-        T = 1 + max(k)
-        for b, r in enumerate(reqs):                     # slots for T positions (else no drafts)
-            if T > 1 and not engine.kv.allocate_slots(r, r.num_cached + T):
-                T, k = 1, [0] * len(reqs)
-        st.draft_s += time.perf_counter() - t0
+        self.stats.draft_s += time.perf_counter() - t0
+        return Proposal(anchors, P, drafts, dlogits, k)
+
+    def note_emitted(self, n: int = 1) -> None:
+        """The engine emitted n verified tokens (fewer than kept when a stop ended the request)."""
+        self.stats.emitted += n
+
+    # ---------------------------------------------------------------- verify
+    @torch.no_grad()
+    def verify(self, prop: Proposal, reqs, runs) -> list[list[tuple[int, float]]]:
+        """One target forward over [anchor, drafts...] for the batch; per sequence the kept
+        tokens (accepted drafts, then the target's own token) with their raw logprobs. The
+        states are rolled back to the kept positions and the drafter's context written."""
+        model, st, k = self.model, self.stats, prop.k
+        T = 1 + prop.num_lookahead
         t0 = time.perf_counter()
-        ids = torch.cat((anchors[:, None], drafts[:, : T - 1]), 1)
-        marks = [mark(r.state, T) for r in reqs]
-        logits, cap = verify(model, ids, [r.state for r in reqs], taps=True)
+        ids = torch.cat((prop.anchors[:, None], prop.drafts[:, : T - 1]), 1)
+        states = [u.state for u in runs]
+        marks = [mark(s, T) for s in states]
+        logits, cap = verify(model, ids, states, taps=True)
         st.verify_s += time.perf_counter() - t0
         kept, emitted = [], []
         for b, r in enumerate(reqs):
-            d = drafts[b, : k[b]].tolist()
+            d = prop.drafts[b, : k[b]].tolist()
             if r.params.greedy:
                 toks = accept_greedy(d, logits[b, : k[b] + 1].argmax(-1).tolist())
             else:
-                q = probs(dlogits[b, : k[b]], r.params)
+                q = probs(prop.draft_logits[b, : k[b]], r.params)
                 p = probs(logits[b, : k[b] + 1], r.params)
-                toks = accept_sampled(d, q, p, r.generator)
+                toks = accept_sampled(d, q, p, runs[b].generator)
             n_acc = len(toks) - 1
             st.steps += 1
-            st.drafted += drafts.shape[1]
+            st.drafted += prop.drafts.shape[1]
             st.verified += k[b]
             st.accepted += n_acc
             for i in range(k[b]):
                 st.verified_at[i] += 1
                 st.accepted_at[i] += int(i < n_acc)
-            rollback(model, r.state, marks[b], 1 + n_acc, cap, b)
-            r.num_cached += 1 + n_acc
-            engine.kv.trim(r, r.num_cached + 1)
+            rollback(model, states[b], marks[b], 1 + n_acc, cap, b)
             kept.append(1 + n_acc)
             emitted.append(toks)
-        self.write_context([r.draft for r in reqs], cap.taps, P.tolist(), kept)
+        self.write_context([u.draft for u in runs], cap.taps, prop.positions.tolist(), kept)
         lsm = torch.log_softmax(logits.float(), -1)
-        finished, now = [], time.monotonic()
-        for b, r in enumerate(reqs):
-            for j, tok in enumerate(emitted[b]):
-                st.emitted += 1
-                if engine._emit(r, tok, float(lsm[b, j, tok]), None, now):
-                    finished.append(r)
-                    break
-        return finished
+        out = []
+        for b, toks in enumerate(emitted):
+            lps = lsm[b, torch.arange(len(toks)), torch.tensor(toks)].tolist()
+            out.append(list(zip(toks, lps)))
+        return out

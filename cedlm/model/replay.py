@@ -71,12 +71,15 @@ class PrefillRun:
         return self.logits is not None
 
     @torch.no_grad()
-    def step(self) -> bool:
-        """Run the next encoder chunk (and the decoder after the last); True when finished."""
+    def step(self, num_tokens: int | None = None) -> bool:
+        """Run the next encoder chunk of `num_tokens` tokens (the caller's scheduler decides;
+        default `chunk_size`), and the decoder after the last; True when finished."""
         if self.done:
             return True
+        if num_tokens is not None and num_tokens <= 0:
+            raise ValueError(f"num_tokens: must be positive, got {num_tokens}")
         c0, st = self.done_tokens, self.state
-        part = self.ids[c0: c0 + self.chunk][None]
+        part = self.ids[c0: c0 + (num_tokens or self.chunk)][None]
         T = part.shape[1]
         pos = torch.arange(st.num_tokens, st.num_tokens + T)[None]
         st.token_ids.extend(part[0].tolist())

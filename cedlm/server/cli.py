@@ -6,18 +6,9 @@ import ipaddress
 import re
 import sys
 
-_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+from cedlm.engine.args import add_cli_args, parse_bytes
 
-
-def parse_bytes(s: str) -> int:
-    """'268435456', '256M', '256MiB', '1.5G', '512k' -> bytes (binary multiples)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(s))
-    if not m:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a size like 268435456, 256M or 1G")
-    n = int(float(m.group(1)) * _SUFFIX[m.group(2).lower()])
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {s!r}")
-    return n
+__all__ = ["add_parser", "build_app", "exposure_warning", "is_loopback", "parse_bytes", "run"]
 
 
 def is_loopback(host: str) -> bool:
@@ -74,17 +65,9 @@ def add_parser(sub) -> None:
     p.add_argument("--alias", action="append", default=[], type=_alias, metavar="NAME[=current|deprecated]",
                    help="another name for the served model; deprecated ones are served but announced "
                         "(repeatable; 'cedlm' is always a current alias)")
-    p.add_argument("--max-num-seqs", "--max_num_seqs", dest="max_num_seqs", type=int, default=16,
-                   help="sequences the engine runs at once")
-    p.add_argument("--kv-budget", "--kv_budget", dest="kv_budget", type=parse_bytes, default=256 << 20,
-                   help="KV-cache bytes (pool + windows); suffixes K/M/G (binary), default 256M")
-    p.add_argument("--max-model-len", "--max_model_len", dest="max_model_len", type=int, default=None,
-                   help="context length (default: the model's max_position_embeddings)")
-    p.add_argument("--prefill-mode", "--prefill_mode", dest="prefill_mode", default="bounded",
-                   choices=["full", "exact", "bounded"])
-    p.add_argument("--replay-mode", "--replay_mode", dest="replay_mode", default="bounded",
-                   choices=["exact", "bounded"], help="window rebuild after a prefix-cache hit")
-    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false")
+    # the engine options (engine/args.py); serving defaults to one torch thread: best for small
+    # models on a busy machine
+    add_cli_args(p, num_threads=1)
     p.add_argument("--max-waiting", "--max_waiting", dest="max_waiting", type=int, default=64,
                    help="requests that may wait for admission while the engine is full; beyond -> 429")
     p.add_argument("--queue-timeout", "--queue_timeout", dest="queue_timeout", type=float, default=30.0,
@@ -104,14 +87,6 @@ def add_parser(sub) -> None:
                    type=_non_negative, default=256,
                    help="max_tokens of a request that omits it (default 256: seconds on a 2-core CPU; "
                         "0: the rest of the context, as before)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (default 1: best for small models on a busy machine)")
-    p.add_argument("--seed", type=int, default=0, help="seed for preset (random) weights")
-    p.add_argument("--speculative", nargs="?", const="dspark", default=None, metavar="METHOD",
-                   help="speculative decoding with the model's DSpark drafter (mtp.safetensors)")
-    p.add_argument("--speculative-threshold", "--speculative_threshold", dest="speculative_threshold",
-                   type=float, default=0.0,
-                   help="verify drafts while the product of their confidences is >= this (0: whole block)")
     p.add_argument("--log-level", "--log_level", dest="log_level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
@@ -121,12 +96,8 @@ def build_app(args):
     from cedlm.engine.llm import LLM
     from cedlm.server.aliases import AliasTable, default_served_name
     from cedlm.server.app import api_key_from_env, create_app
-    llm = LLM(model=args.model, prefill_mode=args.prefill_mode, replay_mode=args.replay_mode,
-              kv_budget_bytes=args.kv_budget, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, enable_prefix_cache=args.prefix_cache,
-              seed=args.seed, num_threads=args.threads,
-              speculative=getattr(args, "speculative", None),
-              speculative_threshold=getattr(args, "speculative_threshold", 0.0))
+    from cedlm.engine.args import EngineArgs
+    llm = LLM(model=args.model, args=EngineArgs.from_cli(args))
     table = AliasTable.from_cli(args.served_model_name or default_served_name(args.model), args.alias)
     return create_app(llm, aliases=table, api_key=api_key_from_env(args.api_key),
                       max_waiting=args.max_waiting,
@@ -149,7 +120,7 @@ def run(args) -> int:
     if warning:
         print(warning, file=sys.stderr, flush=True)
         logging.getLogger("cedlm.server").warning(warning)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.num_threads)
     try:
         app = build_app(args)
     except ValueError as e:

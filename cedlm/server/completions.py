@@ -27,6 +27,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from cedlm.engine.request import TokenLogprob
 from cedlm.server.chat import best
 from cedlm.server.errors import APIError, new_request_id
 from cedlm.server.protocol import (
@@ -43,35 +44,18 @@ router = APIRouter()
 # --------------------------------------------------------------------------- prompt logprobs
 
 
-def _num(x) -> float:
-    if hasattr(x, "logprob"):
-        x = x.logprob
-    return float(x.item() if hasattr(x, "item") else x)
-
-
-def prompt_entry(e, token_id: int) -> tuple[float | None, list[tuple[int, float]], int | None]:
-    """(logprob, top alternatives best first, rank) of one engine prompt-logprob entry: the
-    engine's `TokenLogprob` (token_id, logprob, rank, top_ids, top_logprobs), a vLLM-style dict
-    {id: logprob | Logprob}, or None."""
+def prompt_entry(e: TokenLogprob | None) -> tuple[float | None, list[tuple[int, float]], int | None]:
+    """(logprob, top alternatives best first, rank) of one engine prompt-logprob entry (the
+    engine's `TokenLogprob`: plain values), or (None, [], None) for the first position."""
     if e is None:
         return None, [], None
-    if isinstance(e, dict):
-        top = sorted(((int(k), _num(v)) for k, v in e.items()), key=lambda p: -p[1])
-        own = dict(top).get(int(token_id))
-        return own, top, None
-    top_ids, top_lps = getattr(e, "top_ids", None) or [], getattr(e, "top_logprobs", None) or []
-    top = [(int(i), float(v)) for i, v in zip(_plain(top_ids), _plain(top_lps))]
-    return _num(e), top, getattr(e, "rank", None)
-
-
-def _plain(x) -> list:
-    return x.tolist() if hasattr(x, "tolist") else list(x)
+    return e.logprob, list(zip(e.top_ids, e.top_logprobs)), e.rank
 
 
 def scored_prompt(out: Output, ids: list[int]) -> list[tuple[float | None, list[tuple[int, float]], int | None]]:
     entries = list(out.prompt_logprobs or [])
     entries += [None] * (len(ids) - len(entries))
-    got = [prompt_entry(e, t) for e, t in zip(entries, ids)]
+    got = [prompt_entry(e) for e in entries]
     if got:
         got[0] = (None, [], None)              # the first token has no context
     return got

@@ -2,15 +2,9 @@
 
 The Engine is not thread-safe, so nothing but this thread touches it. HTTP handlers (on the
 asyncio loop) talk to it through a thread-safe command queue (`submit`, `abort`, `call`); the
-thread steps the engine while there is work and publishes each request's progress to that
-request's asyncio.Queue with `loop.call_soon_threadsafe`:
-
-    Admitted(cached_tokens)        the scheduler took it (KV reserved); always first, unless Failed
-    Delta(text, token_ids, ...)    growth since the last event (text = growth of Request.text)
-    Finished(reason, ...)          last event
-                                   (the first Delta, or the Finished when no token was sampled,
-                                   carries `prompt_logprobs` when the request asked for them)
-    Failed(status, message, ...)   instead of any of the above (400 rejected, 429 full, 500)
+thread steps the engine while there is work and turns the `StepOutput`s each step returns into
+events (server/events.py: Admitted, Delta, Finished, Failed) on the request's asyncio.Queue with
+`loop.call_soon_threadsafe`. Nothing is diffed: a StepOutput says what the step produced.
 
 A request of several samples (`SamplingParams.n` / `best_of`) is one engine group
 (`Engine.add_samples`: the prompt is prefilled once): `submit_samples` returns one queue per
@@ -51,61 +45,29 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from cedlm.engine.request import Status
+from cedlm.engine.request import Request, Status
 from cedlm.engine.scheduler import RequestRejected
+from cedlm.server.events import Admitted, Delta, Failed, Finished
+
+__all__ = ["Admitted", "Delta", "EngineWorker", "Failed", "Finished", "sample_ids"]
 
 if TYPE_CHECKING:
     from cedlm.engine.engine import EngineSnapshot
+    from cedlm.engine.output import StepOutput
 
 log = logging.getLogger("cedlm.server")
 
 
 @dataclass
-class Admitted:
-    cached_tokens: int
-
-
-@dataclass
-class Delta:
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[tuple[list[int], list[float]]] | None
-    prompt_logprobs: list | None = None     # once, on the first event after the prompt was scored
-
-
-@dataclass
-class Finished:
-    reason: str
-    num_prompt: int
-    num_output: int
-    cached_tokens: int
-    prompt_logprobs: list | None = None     # when no Delta carried them
-
-
-@dataclass
-class Failed:
-    status: int
-    message: str
-    param: str | None = None
-    code: str | None = None
-    type: str = "invalid_request_error"
-    retry_after: int | None = None
-    request_id: str | None = None        # set on a 500: the id its details were logged under
-
-
-@dataclass
 class _Track:
-    req: Any
+    req: Request                          # read only here: its status, for the queue timeout
     q: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     submitted: float
     leader: "_Track | None" = None       # sample 0 of the group, for the other samples
     admitted: bool = False
     cached: int = 0
-    sent_text: int = 0
-    sent_prompt_lps: bool = False
-    sent_tokens: int = 0
+    prompt_logprobs: list | None = None  # scored prompt not yet sent (goes on the next event)
 
 
 @dataclass
@@ -122,11 +84,6 @@ class _Submit:
 def sample_ids(request_id: str, k: int) -> list[str]:
     """The engine ids of a request's k samples (`Engine.add_samples`)."""
     return [request_id] if k == 1 else [f"{request_id}-{i}" for i in range(k)]
-
-
-def _as_list(x) -> list:
-    """A tensor or a sequence as a plain list (the engine may hand either)."""
-    return x.tolist() if hasattr(x, "tolist") else list(x)
 
 
 def _param_of(message: str) -> str | None:
@@ -294,7 +251,7 @@ class EngineWorker:
             progressed = True
             if eng.has_work:
                 try:
-                    eng.step()
+                    outputs = eng.step()
                     failures = 0
                 except Exception as e:            # the engine's state is suspect: fail who is in flight
                     failures += 1
@@ -309,7 +266,7 @@ class EngineWorker:
                         raise _EngineFailed(f"{failures} engine steps failed in a row "
                                             f"(the last: error id {eid})") from e
                     continue
-                progressed = self._publish()
+                progressed = self._publish(outputs)
             snap = self._update_snapshot()
             if not progressed and snap is not None and snap.num_running == 0:
                 time.sleep(0.001)                 # nothing could move (waiting on memory): don't spin hot
@@ -447,57 +404,52 @@ class EngineWorker:
                          f"({self.queue_timeout:g} s); retry after {self.retry_after} s",
                     code="rate_limit_exceeded", type="rate_limit_error", retry_after=self.retry_after))
 
-    def _publish(self) -> bool:
-        progressed = False
-        for rid, t in list(self._tracked.items()):
+    def _publish(self, outputs: list[StepOutput]) -> bool:
+        """Turn the step's outputs into events on the requests' queues; a sample waiting on its
+        group's prefill counts as admitted once the first sample is. True when anything moved."""
+        progressed = bool(outputs)
+        for o in outputs:
+            t = self._tracked.get(o.request_id)
+            if t is None:
+                continue                          # aborted meanwhile
             try:
-                progressed |= self._publish_one(rid, t)
+                self._publish_one(o, t)
             except Exception as e:                # noqa: BLE001 - this request fails, nobody else
-                log.error("publishing request %s failed", rid, exc_info=e)
+                log.error("publishing request %s failed", o.request_id, exc_info=e)
                 self.errors["request"] += 1
-                self._note(f"publishing a request failed (request id {rid})")
-                self._tracked.pop(rid, None)
-                self._abort(rid)
-                self._send(t, self._internal(rid))
+                self._note(f"publishing a request failed (request id {o.request_id})")
+                self._tracked.pop(o.request_id, None)
+                self._abort(o.request_id)
+                self._send(t, self._internal(o.request_id))
+        for t in list(self._tracked.values()):
+            if not t.admitted and t.leader is not None and t.leader.admitted:
+                t.admitted = True
+                self._send(t, Admitted(t.cached))
                 progressed = True
         return progressed
 
-    def _publish_one(self, rid: str, t: _Track) -> bool:
-        r = t.req
-        progressed = False
-        if r.finished and (r.finish_reason == "error" or getattr(r, "error", None)):
-            # the engine aborted this request's batch: it alone gets the error
-            log.error("request %s failed in the engine: %s", rid, getattr(r, "error", None) or "(no detail)")
+    def _publish_one(self, o: StepOutput, t: _Track) -> None:
+        rid = o.request_id
+        if o.failed:                              # the engine failed this request's batch: it alone gets the error
+            log.error("request %s failed in the engine: %s", rid, o.error or "(no detail)")
             self.errors["request"] += 1
             self._note(f"a request failed in the engine (request id {rid})")
             del self._tracked[rid]
             self._send(t, self._internal(rid))
-            return True
-        if not t.admitted and (r.status is not Status.WAITING or r.output_ids or r.finished
-                               or (t.leader is not None and t.leader.admitted)):
-            t.admitted, t.cached = True, r.num_prefix_hit
+            return
+        if not t.admitted:
+            t.admitted, t.cached = True, o.num_cached_tokens
             self._send(t, Admitted(t.cached))
-            progressed = True
-        n = len(r.output_ids)
-        plps = None
-        if not t.sent_prompt_lps and getattr(r.params, "prompt_logprobs", None) is not None:
-            got = getattr(r, "prompt_logprobs", None)
-            if got is not None and (len(got) >= len(r.prompt_ids) or r.finished):
-                plps, t.sent_prompt_lps = list(got), True
-        if n > t.sent_tokens or len(r.text) > t.sent_text:
-            top = None
-            if r.params.logprobs:
-                top = [(_as_list(ids), _as_list(lps)) for ids, lps in r.top_logprobs[t.sent_tokens:n]]
-            self._send(t, Delta(r.text[t.sent_text:], r.output_ids[t.sent_tokens:n],
-                                [float(x) for x in r.output_logprobs[t.sent_tokens:n]], top, plps))
-            t.sent_text, t.sent_tokens = len(r.text), n
-            plps = None
-            progressed = True
-        if r.finished:
-            self._send(t, Finished(r.finish_reason or "stop", len(r.prompt_ids), n, t.cached, plps))
+        if o.prompt_logprobs is not None:
+            t.prompt_logprobs = list(o.prompt_logprobs)
+        if o.new_token_ids or o.text:
+            top = None if o.new_top_logprobs is None else [(list(i), list(v)) for i, v in o.new_top_logprobs]
+            self._send(t, Delta(o.text, list(o.new_token_ids), list(o.new_logprobs), top, t.prompt_logprobs))
+            t.prompt_logprobs = None
+        if o.finished:
+            self._send(t, Finished(o.finish_reason, o.num_prompt_tokens, o.num_output_tokens, t.cached,
+                                   t.prompt_logprobs))
             del self._tracked[rid]               # (the engine forgot it in step())
-            progressed = True
-        return progressed
 
     def _fail_all(self, failure: Callable[[str], Failed]) -> None:
         for rid, t in list(self._tracked.items()):
