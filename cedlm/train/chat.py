@@ -155,95 +155,119 @@ def record_ppl(a: argparse.Namespace) -> dict:
     return summary
 
 
-def train_chat(a: argparse.Namespace) -> dict:
-    """Run the stage; returns the summary dict (also written to RUN_DIR/summary.json)."""
-    from cedlm.checkpoint import load_model
-    from cedlm.train.chat_data import ChatBatches, build_examples, corpus_documents
-    from cedlm.train.chat_eval import chat_metrics
-    from cedlm.train.optim import clip_and_step, cosine_lr, param_groups, set_lr, update_moe_bias
-    from cedlm.train.runner import (MetricsLog, StepLoop, TimeBudget, plot_loss, run_steps, save_model,
-                                    set_threads, write_json)
+class ChatStage:
+    """The stage's parts for the runner: setup (model, conversations, held-out set, the metrics
+    of the initial model), `step` (one optimizer step on a batch of rows) and `finish` (held-out
+    metrics after, checkpoint, summary.json, export)."""
 
-    set_threads(a.threads)
-    out = Path(a.out)
-    model, tok = load_model(a.init)
-    base_summary, base_args = base_metadata(Path(a.init))
-    train_docs = corpus_documents(a.data, "train")
-    val_docs = corpus_documents(a.data, "val")
-    t0 = time.time()
-    examples = build_examples(train_docs, tok, a.examples, a.seed, a.max_len)
-    heldout = build_examples(val_docs, tok, a.heldout, a.seed + 1, a.max_len) if a.heldout else []
-    batches = ChatBatches(examples, train_docs, tok, a.batch_size, a.max_len, a.text_fraction, a.seed)
-    log = (lambda *_: None) if a.no_progress else (lambda m: print(m, file=sys.stderr, flush=True))
-    log(f"cedlm train chat: {model.num_parameters() / 1e6:.2f}M params from {a.init}; "
-        f"{len(examples)} conversations ({time.time() - t0:.1f} s), {len(heldout)} held out; "
-        f"{a.steps} steps x {a.batch_size} rows, text fraction {a.text_fraction}, {a.threads} thread(s)")
+    def __init__(self, a: argparse.Namespace):
+        from cedlm.checkpoint import load_model
+        from cedlm.train.chat_data import ChatBatches, build_examples, corpus_documents
+        from cedlm.train.optim import param_groups
+        from cedlm.train.runner import MetricsLog, TimeBudget, set_threads
+        set_threads(a.threads)
+        self.a, self.out = a, Path(a.out)
+        self.model, self.tok = model, tok = load_model(a.init)
+        self.base_summary, self.base_args = base_metadata(Path(a.init))
+        train_docs = corpus_documents(a.data, "train")
+        val_docs = corpus_documents(a.data, "val")
+        t0 = time.time()
+        self.examples = build_examples(train_docs, tok, a.examples, a.seed, a.max_len)
+        self.heldout = build_examples(val_docs, tok, a.heldout, a.seed + 1, a.max_len) if a.heldout else []
+        self.batches = ChatBatches(self.examples, train_docs, tok, a.batch_size, a.max_len, a.text_fraction,
+                                   a.seed)
+        self.log(f"cedlm train chat: {model.num_parameters() / 1e6:.2f}M params from {a.init}; "
+                 f"{len(self.examples)} conversations ({time.time() - t0:.1f} s), {len(self.heldout)} held "
+                 f"out; {a.steps} steps x {a.batch_size} rows, text fraction {a.text_fraction}, "
+                 f"{a.threads} thread(s)")
+        self.summary = self.start_summary()
+        self.out.mkdir(parents=True, exist_ok=True)
+        model.train()
+        self.opt = torch.optim.AdamW(param_groups(model, a.weight_decay), lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        self.budget = TimeBudget(a.max_minutes)
+        self.tokens = {"chat": 0, "text": 0}
 
-    summary = {k: v for k, v in base_summary.items() if not k.startswith(("chat", "sft"))}
-    for k in ("val_perplexity", "val_bits_per_byte"):        # the pretrained model's, measured before
-        if k in base_summary:                                 # (`cedlm eval ppl`; see its commands)
-            summary[f"chat_base_{k}"] = summary.pop(k)       # this model's: `cedlm eval ppl` after
-    summary["chat_eval_max_tokens"] = a.eval_max_tokens
-    if heldout and not a.no_eval_before:
-        before = chat_metrics(model, tok, heldout, a.eval_max_tokens, seed=a.seed)
-        summary.update({f"chat_before_{k}": v for k, v in before.items()})
-        log(f"held-out before: {json.dumps(before)}")
+    def log(self, msg: str) -> None:
+        if not self.a.no_progress:
+            print(msg, file=sys.stderr, flush=True)
 
-    out.mkdir(parents=True, exist_ok=True)
-    model.train()
-    opt = torch.optim.AdamW(param_groups(model, a.weight_decay), lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
-    metrics = MetricsLog(out / "metrics.jsonl")
-    budget = TimeBudget(a.max_minutes)
-    tokens = {"chat": 0, "text": 0}
+    def start_summary(self) -> dict:
+        """The base model's summary with its perplexity renamed `chat_base_*` (this model's comes
+        from `cedlm eval ppl` after), plus the held-out chat metrics before the stage."""
+        from cedlm.train.chat_eval import chat_metrics
+        a, base = self.a, self.base_summary
+        summary = {k: v for k, v in base.items() if not k.startswith(("chat", "sft"))}
+        for k in ("val_perplexity", "val_bits_per_byte"):
+            if k in base:
+                summary[f"chat_base_{k}"] = summary.pop(k)
+        summary["chat_eval_max_tokens"] = a.eval_max_tokens
+        if self.heldout and not a.no_eval_before:
+            before = chat_metrics(self.model, self.tok, self.heldout, a.eval_max_tokens, seed=a.seed)
+            summary.update({f"chat_before_{k}": v for k, v in before.items()})
+            self.log(f"held-out before: {json.dumps(before)}")
+        return summary
 
-    def step(i: int) -> dict:
-        t1 = time.time()
+    def step(self, i: int) -> dict:
+        from cedlm.train.optim import clip_and_step, cosine_lr, set_lr, update_moe_bias
+        a, t1 = self.a, time.time()
         lr = cosine_lr(i, peak=a.lr, min_lr=a.min_lr, warmup=a.warmup, total=a.steps)
-        set_lr(opt, lr)
-        ids, mask, is_text = batches.next_batch()
-        loss, rows = masked_loss(model, ids, mask)
+        set_lr(self.opt, lr)
+        ids, mask, is_text = self.batches.next_batch()
+        loss, rows = masked_loss(self.model, ids, mask)
         loss.backward()
-        gn = clip_and_step(opt, model.parameters(), a.grad_clip)
-        update_moe_bias(model, a.bias_update_rate)
+        gn = clip_and_step(self.opt, self.model.parameters(), a.grad_clip)
+        update_moe_bias(self.model, a.bias_update_rate)
         c, t = rows[~is_text].sum(0), rows[is_text].sum(0)
-        tokens["chat"] += int(c[1])
-        tokens["text"] += int(t[1])
+        self.tokens["chat"] += int(c[1])
+        self.tokens["text"] += int(t[1])
         return {"step": i + 1, "loss": loss.item(), "chat_loss": (c[0] / c[1]).item() if c[1] else None,
                 "text_loss": (t[0] / t[1]).item() if t[1] else None, "lr": lr, "grad_norm": gn,
-                "rows": list(ids.shape), "step_s": time.time() - t1, "elapsed": budget.elapsed()}
+                "rows": list(ids.shape), "step_s": time.time() - t1, "elapsed": self.budget.elapsed()}
 
-    def report(rec: dict) -> None:
-        log(f"step {rec['step']}/{a.steps}: loss {rec['loss']:.3f} chat {rec['chat_loss'] or float('nan'):.3f} "
-            f"text {rec['text_loss'] or float('nan'):.3f} lr {rec['lr']:.2e} {rec['step_s']:.1f} s")
+    def report(self, rec: dict) -> None:
+        self.log(f"step {rec['step']}/{self.a.steps}: loss {rec['loss']:.3f} "
+                 f"chat {rec['chat_loss'] or float('nan'):.3f} text {rec['text_loss'] or float('nan'):.3f} "
+                 f"lr {rec['lr']:.2e} {rec['step_s']:.1f} s")
 
-    steps, _ = run_steps(StepLoop(name="cedlm train chat", step=step, stop=a.steps, metrics=metrics,
-                                  budget=budget, report=report, announce=not a.no_progress))
-    model.eval()
-    wall = budget.elapsed()
-    recs = metrics.records
-    plot_loss([{**r, "loss": r["chat_loss"] if r["chat_loss"] is not None else r["loss"]} for r in recs],
-              out / "loss.png")
+    def finish(self, steps: int) -> dict:
+        from cedlm.train.chat_eval import chat_metrics
+        from cedlm.train.runner import plot_loss, save_model, write_json
+        a, out, summary = self.a, self.out, self.summary
+        self.model.eval()
+        wall = self.budget.elapsed()
+        recs = self.metrics.records
+        plot_loss([{**r, "loss": r["chat_loss"] if r["chat_loss"] is not None else r["loss"]} for r in recs],
+                  out / "loss.png")
+        chat_tok, text_tok = self.tokens["chat"], self.tokens["text"]
+        summary.update(chat_steps=steps, chat_rows_per_step=a.batch_size, chat_max_len=a.max_len,
+                       chat_text_fraction_rows=a.text_fraction,
+                       chat_text_fraction_tokens=round(text_tok / max(1, chat_tok + text_tok), 4),
+                       chat_assistant_tokens=chat_tok, chat_text_tokens=text_tok,
+                       chat_train_conversations=len(self.examples), chat_train_wall_s=round(wall),
+                       chat_threads=a.threads, chat_final_loss=recs[-1]["chat_loss"] if recs else None)
+        if self.heldout:
+            after = chat_metrics(self.model, self.tok, self.heldout, a.eval_max_tokens, seed=a.seed)
+            summary.update({f"chat_after_{k}": v for k, v in after.items()})
+            self.log(f"held-out after: {json.dumps(after)}")
+        cmd = (f"cedlm train chat --init {a.init} --out {a.out} --steps {a.steps} --batch-size {a.batch_size} "
+               f"--max-len {a.max_len} --lr {a.lr:g} --min-lr {a.min_lr:g} --warmup {a.warmup} "
+               f"--text-fraction {a.text_fraction} --examples {a.examples} --seed {a.seed} --threads {a.threads}")
+        summary["commands"] = list(self.base_summary.get("commands", [])) + [cmd]
+        stage = dict(vars(a), step=steps, command="train chat")
+        save_model(out, self.model, self.tok, training_args={**self.base_args, "chat_stage": stage})
+        write_json(out / "summary.json", summary)
+        if a.export:
+            from cedlm.train.export import export_model
+            export_model(out / "checkpoint", a.export, summary=summary)
+            self.log(f"exported to {a.export}")
+        return summary
 
-    stage = dict(vars(a), step=steps, command="train chat")
-    chat_tok, text_tok = tokens["chat"], tokens["text"]
-    summary.update(chat_steps=steps, chat_rows_per_step=a.batch_size, chat_max_len=a.max_len,
-                   chat_text_fraction_rows=a.text_fraction,
-                   chat_text_fraction_tokens=round(text_tok / max(1, chat_tok + text_tok), 4),
-                   chat_assistant_tokens=chat_tok, chat_text_tokens=text_tok,
-                   chat_train_conversations=len(examples), chat_train_wall_s=round(wall),
-                   chat_threads=a.threads, chat_final_loss=recs[-1]["chat_loss"] if recs else None)
-    if heldout:
-        after = chat_metrics(model, tok, heldout, a.eval_max_tokens, seed=a.seed)
-        summary.update({f"chat_after_{k}": v for k, v in after.items()})
-        log(f"held-out after: {json.dumps(after)}")
-    cmd = (f"cedlm train chat --init {a.init} --out {a.out} --steps {a.steps} --batch-size {a.batch_size} "
-           f"--max-len {a.max_len} --lr {a.lr:g} --min-lr {a.min_lr:g} --warmup {a.warmup} "
-           f"--text-fraction {a.text_fraction} --examples {a.examples} --seed {a.seed} --threads {a.threads}")
-    summary["commands"] = list(base_summary.get("commands", [])) + [cmd]
-    save_model(out, model, tok, training_args={**base_args, "chat_stage": stage})
-    write_json(out / "summary.json", summary)
-    if a.export:
-        from cedlm.train.export import export_model
-        export_model(out / "checkpoint", a.export, summary=summary)
-        log(f"exported to {a.export}")
-    return summary
+
+def train_chat(a: argparse.Namespace) -> dict:
+    """Run the stage; returns the summary dict (also written to RUN_DIR/summary.json)."""
+    from cedlm.train.runner import StepLoop, run_steps
+    st = ChatStage(a)
+    steps, _ = run_steps(StepLoop(name="cedlm train chat", step=st.step, stop=a.steps, metrics=st.metrics,
+                                  budget=st.budget, report=st.report, announce=not a.no_progress))
+    return st.finish(steps)

@@ -36,6 +36,21 @@ def legacy_argv(argv: list[str]) -> list[str]:
     return argv
 
 
+class StageParser(argparse.ArgumentParser):
+    """A stage's parser: remembers the dests of the flags added to it (`own_dests`), so that the
+    stage's `run` gets those and nothing of the parsers above it."""
+
+    def __init__(self, *args, **kw):
+        self.own_dests: list[str] = []
+        super().__init__(*args, **kw)
+
+    def add_argument(self, *args, **kw):
+        action = super().add_argument(*args, **kw)
+        if action.default is not argparse.SUPPRESS:       # not --help
+            self.own_dests.append(action.dest)
+        return action
+
+
 def _runner(run, dests: list[str]):
     """`func` of a stage's parser: its `run` on a namespace of the stage's own flags."""
     def func(args: argparse.Namespace) -> int:
@@ -47,7 +62,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="pretrain a model, or run a training stage on top of one",
                               description=__doc__, allow_abbrev=False,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    stages = p.add_subparsers(dest="stage", metavar="STAGE", required=True, title="stages")
+    stages = p.add_subparsers(dest="stage", metavar="STAGE", required=True, title="stages",
+                              parser_class=StageParser)
     for name, (mod, help_) in STAGES.items():
         try:
             module = importlib.import_module(mod)
@@ -57,8 +73,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             raise
         sp = stages.add_parser(name, help=help_, description=module.__doc__, allow_abbrev=False,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-        before = {a.dest for a in sp._actions}
         module.add_arguments(sp)
-        dests = [a.dest for a in sp._actions if a.dest not in before]
-        sp.set_defaults(func=_runner(module.run, dests))
+        sp.set_defaults(func=_runner(module.run, sp.own_dests))
     return p

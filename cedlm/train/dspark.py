@@ -161,99 +161,113 @@ def export_drafter(init_dir: Path, model, dst: Path) -> Path:
 
 
 # ---------------------------------------------------------------- run
-def run(args: argparse.Namespace) -> int:
-    from cedlm.checkpoint import load_model, resolve_checkpoint
-    from cedlm.data.tokens import token_cache
-    from cedlm.model.dspark import check_dspark_config
-    from cedlm.train.data import BatchSampler
-    from cedlm.train.optim import clip_and_step, cosine_lr, set_lr
-    from cedlm.train.runner import (MetricsLog, StepLoop, TimeBudget, plot_loss, run_steps, save_model,
-                                    set_threads, write_json)
-    for n in ("steps", "batch_size", "seq_len", "anchors", "threads", "updates_per_batch"):
-        if getattr(args, n) <= 0:
-            print(f"error: --{n.replace('_', '-')}: must be positive, got {getattr(args, n)}", file=sys.stderr)
-            return 2
-    set_threads(args.threads)
-    torch.manual_seed(args.seed)
-    init = resolve_checkpoint(args.init)
-    model, tok = load_model(init)
-    cfg = model.cfg
-    check_dspark_config(cfg)
-    N = cfg.dspark_block_size
-    if args.seq_len < N + 1:
-        print(f"error: --seq-len: {args.seq_len} is shorter than a block ({N}) + 1", file=sys.stderr)
-        return 2
-    if not hasattr(model, "mtp"):
-        init_from_target(model)
-    for n, prm in model.named_parameters():
-        prm.requires_grad_(n.startswith("mtp."))
-    model.eval()
-    model.mtp.train()
-    data = Path(args.data)
-    if not (data / "train.txt").exists():
-        print(f"error: --data: no train.txt in {data} (run `cedlm data prepare`)", file=sys.stderr)
-        return 2
-    tokens = token_cache(data / "train.txt", tok, Path(args.cache_dir))
-    sampler = BatchSampler(tokens, args.seq_len, args.batch_size, args.seed)
-    budget = TimeBudget(args.max_minutes).begin()       # the generation counts towards the budget
-    n_gen = round(args.batch_size * args.self_gen_frac) if args.self_gen_seqs > 0 else 0
-    gen = None
-    if n_gen:
-        if not 0 < args.self_gen_prompt < args.seq_len:
-            print(f"error: --self-gen-prompt: must be in (0, --seq-len={args.seq_len})", file=sys.stderr)
-            return 2
-        print(f"generating {args.self_gen_seqs} target continuations ...", flush=True)
-        gen = self_generate(model, tokens, args.self_gen_seqs, args.self_gen_prompt, args.seq_len, args.seed)
-        print(f"  {gen.numel()} tokens in {budget.elapsed():.0f}s", flush=True)
-    params = [p for p in model.mtp.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    metrics = MetricsLog(out / "metrics.jsonl")
-    g = torch.Generator().manual_seed(args.seed)
-    S, K, w = args.seq_len, args.anchors, args.warmup
-    train_time = budget.rest(floor=1.0)        # the schedule ends with the time limit too
-    batch: dict = {}
+class DsparkStage:
+    """The stage's parts for the runner: setup (the target with a drafter, corpus windows, the
+    target's own continuations), `step` (one drafter update; a fresh target pass every
+    --updates-per-batch steps) and `finish` (checkpoint, summary.json, export)."""
 
-    def step(i: int) -> dict:
+    def __init__(self, args: argparse.Namespace):
+        from cedlm.checkpoint import load_model, resolve_checkpoint
+        from cedlm.data.tokens import token_cache
+        from cedlm.model.dspark import check_dspark_config
+        from cedlm.train.data import BatchSampler
+        from cedlm.train.runner import MetricsLog, TimeBudget, set_threads
+        for n in ("steps", "batch_size", "seq_len", "anchors", "threads", "updates_per_batch"):
+            if getattr(args, n) <= 0:
+                raise ValueError(f"--{n.replace('_', '-')}: must be positive, got {getattr(args, n)}")
+        set_threads(args.threads)
+        torch.manual_seed(args.seed)
+        self.args, self.init = args, resolve_checkpoint(args.init)
+        self.model, self.tok = model, tok = load_model(self.init)
+        check_dspark_config(model.cfg)
+        self.N = N = model.cfg.dspark_block_size
+        if args.seq_len < N + 1:
+            raise ValueError(f"--seq-len: {args.seq_len} is shorter than a block ({N}) + 1")
+        if not hasattr(model, "mtp"):
+            init_from_target(model)
+        for n, prm in model.named_parameters():
+            prm.requires_grad_(n.startswith("mtp."))
+        model.eval()
+        model.mtp.train()
+        data = Path(args.data)
+        if not (data / "train.txt").exists():
+            raise ValueError(f"--data: no train.txt in {data} (run `cedlm data prepare`)")
+        tokens = token_cache(data / "train.txt", tok, Path(args.cache_dir))
+        self.sampler = BatchSampler(tokens, args.seq_len, args.batch_size, args.seed)
+        self.budget = TimeBudget(args.max_minutes).begin()     # the generation counts towards it
+        self.n_gen = round(args.batch_size * args.self_gen_frac) if args.self_gen_seqs > 0 else 0
+        self.gen = None
+        if self.n_gen:
+            if not 0 < args.self_gen_prompt < args.seq_len:
+                raise ValueError(f"--self-gen-prompt: must be in (0, --seq-len={args.seq_len})")
+            print(f"generating {args.self_gen_seqs} target continuations ...", flush=True)
+            self.gen = self_generate(model, tokens, args.self_gen_seqs, args.self_gen_prompt, args.seq_len,
+                                     args.seed)
+            print(f"  {self.gen.numel()} tokens in {self.budget.elapsed():.0f}s", flush=True)
+        self.params = [p for p in model.mtp.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        self.g = torch.Generator().manual_seed(args.seed)
+        self.train_time = self.budget.rest(floor=1.0)       # the schedule ends with the time limit too
+        self.batch: dict = {}
+
+    def step(self, i: int) -> dict:
+        from cedlm.train.optim import clip_and_step, cosine_lr, set_lr
+        args, w, g = self.args, self.args.warmup, self.g
         # the cosine starts one step after the warm-up's peak (i + 1 past it), as it always has here
         lr = cosine_lr(i + 1 if i >= w else i, peak=args.lr, min_lr=args.min_lr, warmup=w, total=args.steps,
-                       time_frac=train_time.frac())
-        set_lr(opt, lr)
+                       time_frac=self.train_time.frac())
+        set_lr(self.opt, lr)
         if i % args.updates_per_batch == 0:
-            ids, _ = sampler.next_batch()
-            if gen is not None:               # part of the batch: the target's own continuations
-                pick = torch.randint(0, gen.shape[0], (n_gen,), generator=g)
-                ids = torch.cat((ids[: ids.shape[0] - n_gen], gen[pick]))
-            batch.update(ids=ids, target=target_pass(model, ids))
-        ids = batch["ids"]
-        anchors = torch.stack([torch.randperm(S - N + 1, generator=g)[:K].sort().values
+            ids, _ = self.sampler.next_batch()
+            if self.gen is not None:          # part of the batch: the target's own continuations
+                pick = torch.randint(0, self.gen.shape[0], (self.n_gen,), generator=g)
+                ids = torch.cat((ids[: ids.shape[0] - self.n_gen], self.gen[pick]))
+            self.batch.update(ids=ids, target=target_pass(self.model, ids))
+        ids = self.batch["ids"]
+        anchors = torch.stack([torch.randperm(args.seq_len - self.N + 1, generator=g)[:args.anchors].sort().values
                                for _ in range(ids.shape[0])])
-        loss, st = draft_loss(model, ids, *batch["target"], anchors, args.conf_weight)
+        loss, st = draft_loss(self.model, ids, *self.batch["target"], anchors, args.conf_weight)
         loss.backward()
-        gn = clip_and_step(opt, params, 1.0)
+        gn = clip_and_step(self.opt, self.params, 1.0)
         return {"step": i + 1, "loss": loss.item(), "lr": lr, "grad_norm": gn,
-                "elapsed_s": round(budget.elapsed(), 1), **st}
+                "elapsed_s": round(self.budget.elapsed(), 1), **st}
 
-    def report(rec: dict) -> None:
-        if rec["step"] % args.log_every == 0 or rec["step"] == 1:
+    def report(self, rec: dict) -> None:
+        if rec["step"] % self.args.log_every == 0 or rec["step"] == 1:
             print(f"step {rec['step']} loss {rec['loss']:.4f} kl {rec['kl']:.4f} run {rec['accepted_run']:.2f} "
                   f"agree {[round(x, 2) for x in rec['agree_by_pos']]} {rec['elapsed_s']}s", flush=True)
 
-    step_n, _ = run_steps(StepLoop(name="cedlm train dspark", step=step, stop=args.steps, metrics=metrics,
-                                   budget=budget, report=report))
-    model.eval()
-    save_model(out, model, tok, training_args={"dspark_stage": {"init": str(init), "steps_run": step_n,
-                                                                 **vars(args)}})
-    plot_loss(metrics.records, out / "loss.png")
-    last = metrics.records[-20:]
-    summary = {"dspark_steps": step_n, "dspark_minutes": round(budget.elapsed() / 60, 2),
-               "dspark_final_loss": sum(m["loss"] for m in last) / len(last),
-               "dspark_final_kl": sum(m["kl"] for m in last) / len(last),
-               "dspark_accepted_run": sum(m["accepted_run"] for m in last) / len(last)}
-    write_json(out / "summary.json", summary)
-    if args.export:
-        d = export_drafter(init, model, Path(args.export))
-        print(f"exported {d} (mtp.safetensors {(d / 'mtp.safetensors').stat().st_size} B)")
-    print(json.dumps(summary))
+    def finish(self, steps: int) -> dict:
+        from cedlm.train.runner import plot_loss, save_model, write_json
+        args, out = self.args, self.out
+        self.model.eval()
+        save_model(out, self.model, self.tok,
+                   training_args={"dspark_stage": {"init": str(self.init), "steps_run": steps, **vars(args)}})
+        plot_loss(self.metrics.records, out / "loss.png")
+        last = self.metrics.records[-20:]
+        summary = {"dspark_steps": steps, "dspark_minutes": round(self.budget.elapsed() / 60, 2),
+                   "dspark_final_loss": sum(m["loss"] for m in last) / len(last),
+                   "dspark_final_kl": sum(m["kl"] for m in last) / len(last),
+                   "dspark_accepted_run": sum(m["accepted_run"] for m in last) / len(last)}
+        write_json(out / "summary.json", summary)
+        if args.export:
+            d = export_drafter(self.init, self.model, Path(args.export))
+            print(f"exported {d} (mtp.safetensors {(d / 'mtp.safetensors').stat().st_size} B)")
+        print(json.dumps(summary))
+        return summary
+
+
+def run(args: argparse.Namespace) -> int:
+    from cedlm.train.runner import StepLoop, run_steps
+    try:
+        st = DsparkStage(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    steps, _ = run_steps(StepLoop(name="cedlm train dspark", step=st.step, stop=args.steps, metrics=st.metrics,
+                                  budget=st.budget, report=st.report))
+    st.finish(steps)
     return 0

@@ -157,80 +157,96 @@ def take_indexer(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.take_indexer:
-        return take_indexer(args)
-    set_threads(args.threads)
-    torch.manual_seed(args.seed)
-    try:
-        model, tok = ckpt_io.load_model(args.init)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: --init: {e}", file=sys.stderr)
-        return 2
-    if not (0 <= args.repeat_fraction and args.retrieval_fraction + args.repeat_fraction <= 1):
-        print("error: --retrieval-fraction + --repeat-fraction must be within [0, 1]", file=sys.stderr)
-        return 2
-    if model.cfg.arch != "ced" or not model.cfg.index_source_layer_ids:
-        print("error: --init: the model has no lightning indexer to train", file=sys.stderr)
-        return 2
-    tokens = token_cache(Path(args.data) / "train.txt", tok, None)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.Generator(np.random.PCG64(args.seed))
-    idx = indexer_params(model)
-    idx_ids = {id(p) for p in idx}
-    main = [p for p in model.parameters() if id(p) not in idx_ids]
-    opt = torch.optim.AdamW([{"params": idx, "name": "indexer", "weight_decay": 0.0},
-                             {"params": [p for p in main if p.dim() >= 2], "name": "main",
-                              "weight_decay": args.weight_decay},
-                             {"params": [p for p in main if p.dim() < 2], "name": "main",
-                              "weight_decay": 0.0}], betas=(0.9, 0.95), eps=1e-8)
-    metrics = MetricsLog(out / "metrics.jsonl")
-    total = args.warmup_steps + args.steps
-    budget = TimeBudget(args.max_minutes)
-    cost = {p: {"steps": 0, "tokens": 0, "wall_s": 0.0}
-            for p in ("dense", phase_name(True, args.selection == "dense"))}
-    model.train()
+class IndexerStage:
+    """The stage's parts for the runner: setup (model, corpus tokens, one AdamW with an indexer
+    group and the main groups), `step` (one step of the dense warm-up or of the whole-model
+    phase), `report` (plots) and `finish` (checkpoint, plots, summary.json)."""
 
-    def one_step(i: int) -> dict:
+    def __init__(self, args: argparse.Namespace):
+        set_threads(args.threads)
+        torch.manual_seed(args.seed)
+        try:
+            self.model, self.tok = model, tok = ckpt_io.load_model(args.init)
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"--init: {e}") from None
+        if not (0 <= args.repeat_fraction and args.retrieval_fraction + args.repeat_fraction <= 1):
+            raise ValueError("--retrieval-fraction + --repeat-fraction must be within [0, 1]")
+        if model.cfg.arch != "ced" or not model.cfg.index_source_layer_ids:
+            raise ValueError("--init: the model has no lightning indexer to train")
+        self.args = args
+        self.tokens = token_cache(Path(args.data) / "train.txt", tok, None)
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.rng = np.random.Generator(np.random.PCG64(args.seed))
+        idx = indexer_params(model)
+        idx_ids = {id(p) for p in idx}
+        main = [p for p in model.parameters() if id(p) not in idx_ids]
+        self.opt = torch.optim.AdamW([{"params": idx, "name": "indexer", "weight_decay": 0.0},
+                                      {"params": [p for p in main if p.dim() >= 2], "name": "main",
+                                       "weight_decay": args.weight_decay},
+                                      {"params": [p for p in main if p.dim() < 2], "name": "main",
+                                       "weight_decay": 0.0}], betas=(0.9, 0.95), eps=1e-8)
+        self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        self.total = args.warmup_steps + args.steps
+        self.budget = TimeBudget(args.max_minutes)
+        self.cost = {p: {"steps": 0, "tokens": 0, "wall_s": 0.0}
+                     for p in ("dense", phase_name(True, args.selection == "dense"))}
+        model.train()
+
+    def step(self, i: int) -> dict:
+        args, model = self.args, self.model
         whole = i >= args.warmup_steps                     # phase 2: the whole model trains
         j = i - args.warmup_steps if whole else i
         set_trainable(model, indexer_only=not whole)
         ts = time.time()
-        x, y, ans = batch_of(rng, tokens, tok, args)
+        x, y, ans = batch_of(self.rng, self.tokens, self.tok, args)
         if whole:
-            rec = step(model, opt, x, y, ans, args, True, lr_at(j, args.steps, args.lr, args.lr_warmup),
+            rec = step(model, self.opt, x, y, ans, args, True, lr_at(j, args.steps, args.lr, args.lr_warmup),
                        lr_at(j, args.steps, args.indexer_lr, 1), dense=args.selection == "dense")
             update_moe_bias(model, args.bias_update_rate)
         else:
-            rec = step(model, opt, x, y, ans, args, False, 0.0, lr_at(j, args.warmup_steps, args.indexer_lr, 1))
+            rec = step(model, self.opt, x, y, ans, args, False, 0.0, lr_at(j, args.warmup_steps, args.indexer_lr, 1))
             update_moe_bias(model, 0.0)                     # frozen model: only reset the load
         dt = time.time() - ts
-        c = cost[rec["phase"]]
+        c = self.cost[rec["phase"]]
         c["steps"], c["tokens"], c["wall_s"] = c["steps"] + 1, c["tokens"] + x.numel(), c["wall_s"] + dt
-        rec.update(step=i + 1, tokens=sum(v["tokens"] for v in cost.values()),
-                   tokens_per_s=x.numel() / dt, elapsed=budget.elapsed())
+        rec.update(step=i + 1, tokens=sum(v["tokens"] for v in self.cost.values()),
+                   tokens_per_s=x.numel() / dt, elapsed=self.budget.elapsed())
         return rec
 
-    def report(rec: dict) -> None:
-        if rec["step"] % args.plot_every == 0:
-            _plot(metrics.records, out)
+    def report(self, rec: dict) -> None:
+        if rec["step"] % self.args.plot_every == 0:
+            _plot(self.metrics.records, self.out)
 
+    def finish(self) -> dict:
+        args, out, n = self.args, self.out, len(self.metrics)
+        self.model.eval()
+        saved = {k: v for k, v in vars(args).items() if k not in ("progress", "threads")}
+        save_model(out, self.model, self.tok, training_args={**saved, "stage": "indexer", "step": n})
+        _plot(self.metrics.records, out)
+        summary = {"stage": "indexer", "init": str(args.init), "seq_len": args.seq_len,
+                   "batch_size": args.batch_size, "threads": args.threads, "cost": self.cost,
+                   "wall_s": self.budget.elapsed(), "steps": n,
+                   "command": "cedlm train indexer " + shlex.join(sys.argv[3:])}
+        write_json(out / "summary.json", summary)
+        print(json.dumps(summary), file=sys.stderr)
+        return summary
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.take_indexer:
+        return take_indexer(args)
+    try:
+        st = IndexerStage(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     run_steps(StepLoop(
-        name="cedlm train indexer", step=one_step, stop=min(total, args.stop_at_step or total),
-        metrics=metrics, budget=budget, report=report,
-        bar=progress_bar(args.progress, total, "train indexer"),
+        name="cedlm train indexer", step=st.step, stop=min(st.total, args.stop_at_step or st.total),
+        metrics=st.metrics, budget=st.budget, report=st.report,
+        bar=progress_bar(args.progress, st.total, "train indexer"),
         postfix=lambda rec: dict(phase=rec["phase"], kl=f"{rec['kl']:.3f}", lm=f"{rec['lm_loss']:.3f}")))
-    model.eval()
-    saved = {k: v for k, v in vars(args).items() if k not in ("progress", "threads")}
-    save_model(out, model, tok, training_args={**saved, "stage": "indexer", "step": len(metrics)})
-    _plot(metrics.records, out)
-    summary = {"stage": "indexer", "init": str(args.init), "seq_len": args.seq_len,
-               "batch_size": args.batch_size, "threads": args.threads, "cost": cost,
-               "wall_s": budget.elapsed(), "steps": len(metrics),
-               "command": "cedlm train indexer " + shlex.join(sys.argv[3:])}
-    write_json(out / "summary.json", summary)
-    print(json.dumps(summary), file=sys.stderr)
+    st.finish()
     return 0
 
 

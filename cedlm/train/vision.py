@@ -182,123 +182,145 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       "cedlm.train.vision_anchors.train_codes) instead of regression")
 
 
+class VisionStage:
+    """The stage's parts for the runner: setup (the text model extended with a tower, the task
+    examples), phases A and B (`phases_ab`, `cedlm.train.vision_anchors`), `step` (one end-to-end
+    step of phase C), `heldout` (its evaluation) and `finish` (final accuracies, checkpoint,
+    export, eval.json)."""
+
+    def __init__(self, args):
+        import dataclasses
+
+        from cedlm.checkpoint import load_model
+        from cedlm.data import vision_tasks as T
+        from cedlm.train.runner import MetricsLog, TimeBudget, set_threads
+        set_threads(args.threads)
+        if args.eval_limit is not None and args.eval_limit < 1:
+            raise ValueError(f"--eval-limit: must be >= 1, got {args.eval_limit}")
+        self.args, self.out = args, Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        text, self.tok = load_model(args.init)
+        vc = vision_defaults()
+        if args.vision_layers or args.vision_width:
+            vc = dataclasses.replace(vc, num_hidden_layers=args.vision_layers or vc.num_hidden_layers,
+                                     hidden_size=args.vision_width or vc.hidden_size)
+        self.vc = vc
+        # eval() except inside a step: MoE load counters and anything mode-dependent stay as served
+        self.model = model = extend_with_vision(text, self.tok, vc, args.seed).eval()
+        del text
+        self.train_params = freeze_text(model)
+        tok = self.tok
+        d_train, d_test = T.digits_split(args.seed)
+        self.tasks = {
+            "digits": (Examples(model, tok, d_train, T.DIGIT_QUESTION),
+                       Examples(model, tok, d_test, T.DIGIT_QUESTION)),
+            "words": (Examples(model, tok, T.word_examples(args.word_examples, args.seed + 1), T.WORD_QUESTION),
+                      Examples(model, tok, T.word_examples(300, args.seed + 1000), T.WORD_QUESTION)),
+        }
+        self.rng = random.Random(args.seed)
+        self.budget = TimeBudget(args.minutes).begin()       # the three phases share it
+        self.metrics = MetricsLog(self.out / "metrics.jsonl")
+        self.opt = self.phase_c = None
+
+    def heldout(self, rec: dict) -> None:
+        """Held-out accuracy (100 examples per task, at most --eval-limit), added to `rec` and printed."""
+        limit = min(100, self.args.eval_limit or 100)
+        for k, (_, te) in self.tasks.items():
+            rec[f"{k}_heldout_acc_100"] = accuracy(self.model, self.tok, te, limit=limit)
+        print(json.dumps(rec), flush=True)
+
+    def phases_ab(self) -> tuple[int, int]:
+        """Phase A (anchors; or those of --anchors) and phase B (regression or --codes), in their
+        shares of the budget; -> their step counts."""
+        from cedlm.train.vision_anchors import Anchors, train_anchors, train_codes, train_regression
+        args, model, budget, log = self.args, self.model, self.budget, self.metrics.append
+        anchors = {k: Anchors(model, tr) for k, (tr, _) in self.tasks.items()}
+        if args.anchors:                      # phase A of an earlier run on the same text model
+            saved = torch.load(args.anchors, weights_only=True)
+            shared = saved.pop("_shared", None)
+            for k, rows in saved.items():
+                if rows.shape != anchors[k].rows.shape:
+                    raise ValueError(f"--anchors: {k} rows {tuple(rows.shape)} do not match this run's "
+                                     f"{tuple(anchors[k].rows.shape)}")
+                anchors[k].rows.data.copy_(rows)
+            if shared is not None:
+                with torch.no_grad():
+                    for name, v in shared.items():
+                        getattr(model, name).copy_(v)
+            na = 0
+        else:
+            na = train_anchors(model, anchors, args.anchor_frac * budget.seconds, args.batch, 3e-2, log,
+                               self.rng, order=["digits", "digits", "words"])
+        torch.save({**{k: a.rows.detach() for k, a in anchors.items()},
+                    "_shared": {n: getattr(model, n).detach().clone()
+                                for n in ("image_start", "image_newline", "image_end")}}, self.out / "anchors.pt")
+        self.heldout({"phase": "anchors_done", "steps": na, "elapsed_s": round(budget.elapsed(), 1)})
+        if args.regress_frac <= 0:           # continuing a trained tower: straight to phase C
+            nr = 0
+        elif args.codes:
+            nr = train_codes(model, anchors["digits"], args.regress_frac * budget.seconds, 128, 3e-3, log, self.rng)
+        else:
+            nr = train_regression(model, anchors, args.regress_frac * budget.seconds, 128, args.lr, log, self.rng)
+        self.heldout({"phase": "regression_done", "steps": nr, "elapsed_s": round(budget.elapsed(), 1)})
+        # phase C: end to end through the frozen text model, in what is left of the budget
+        self.opt = torch.optim.AdamW(self.train_params, lr=args.lr, weight_decay=0.01)
+        self.phase_c = self.budget.rest()
+        return na, nr
+
+    def step(self, i: int) -> dict:
+        """One end-to-end step (phase C) on a batch of the task of its turn."""
+        from cedlm.train.optim import cosine_lr, set_lr
+        args, model = self.args, self.model
+        lr = cosine_lr(i, peak=0.5 * args.lr, min_lr=0.05 * args.lr, warmup=10, time_frac=self.phase_c.frac())
+        set_lr(self.opt, lr)
+        name = args.e2e_tasks[i % len(args.e2e_tasks)]
+        ex = self.tasks[name][0]
+        model.train()         # the storage rounding passes straight-through gradients
+        loss = loss_of(model, ex, [self.rng.randrange(len(ex.rows)) for _ in range(args.batch)])
+        model.eval()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.train_params, 1.0)
+        self.opt.step()
+        return {"phase": "end_to_end", "step": i + 1, "task": name, "loss": round(loss.item(), 5),
+                "lr": lr, "elapsed_s": round(self.budget.elapsed(), 1)}
+
+    def finish(self, na: int, nr: int, nc: int) -> dict:
+        from cedlm.data import vision_tasks as T
+        from cedlm.train.export import export_model
+        from cedlm.train.runner import plot_loss, save_model, write_json
+        args, model, tok, out, lim = self.args, self.model, self.tok, self.out, self.args.eval_limit
+        digits, words = self.tasks["digits"][1], self.tasks["words"][1]
+        res = {"anchor_steps": na, "regression_steps": nr, "end_to_end_steps": nc,
+               "train_seconds": round(self.budget.elapsed(), 1), "threads": args.threads,
+               "vision_config": self.vc.to_dict(), "init": str(args.init),
+               "vision_params": sum(p.numel() for p in self.train_params),
+               "digits_heldout_acc": accuracy(model, tok, digits, limit=lim),
+               "digits_heldout_n": len(digits.rows[:lim]),
+               "words_heldout_acc": accuracy(model, tok, words, limit=lim),
+               "words_heldout_n": len(words.rows[:lim])}
+        unseen = Examples(model, tok, T.word_examples(80, args.seed + 2000, T.UNSEEN_WORDS), T.WORD_QUESTION)
+        res["unseen_words_acc"] = accuracy(model, tok, unseen, limit=lim)
+        plot_loss([m for m in self.metrics.records if m.get("phase") == "end_to_end"], out / "loss.png")
+        for p in model.parameters():
+            p.requires_grad_(True)
+        write_json(out / "args.json", vars(args))
+        save_model(out, model, tok)
+        export_model(out / "checkpoint", out / "export", summary={"stage": "vision", **res})
+        write_json(out / "eval.json", res)
+        print(json.dumps(res, indent=2))
+        return res
+
+
 def run(args) -> int:
+    from cedlm.train.runner import StepLoop, run_steps
     try:
-        return _run(args)
+        st = VisionStage(args)
+        na, nr = st.phases_ab()
+        nc, _ = run_steps(StepLoop(name="cedlm train vision", step=st.step, stop=args.steps, metrics=st.metrics,
+                                   budget=st.phase_c, evaluate=st.heldout, eval_every=args.eval_every))
+        st.finish(na, nr, nc)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-
-def _run(args) -> int:
-    import dataclasses
-
-    from cedlm.checkpoint import load_model
-    from cedlm.data import vision_tasks as T
-    from cedlm.train.export import export_model
-    from cedlm.train.optim import cosine_lr, set_lr
-    from cedlm.train.runner import (MetricsLog, StepLoop, TimeBudget, plot_loss, run_steps, save_model,
-                                    set_threads, write_json)
-    from cedlm.train.vision_anchors import Anchors, train_anchors, train_codes, train_regression
-    set_threads(args.threads)
-    if args.eval_limit is not None and args.eval_limit < 1:
-        raise ValueError(f"--eval-limit: must be >= 1, got {args.eval_limit}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    text, tok = load_model(args.init)
-    vc = vision_defaults()
-    if args.vision_layers or args.vision_width:
-        vc = dataclasses.replace(vc, num_hidden_layers=args.vision_layers or vc.num_hidden_layers,
-                                 hidden_size=args.vision_width or vc.hidden_size)
-    model = extend_with_vision(text, tok, vc, args.seed).eval()
-    # eval() except inside a step: MoE load counters and anything mode-dependent stay as served
-    del text
-    train_params = freeze_text(model)
-    d_train, d_test = T.digits_split(args.seed)
-    tasks = {
-        "digits": (Examples(model, tok, d_train, T.DIGIT_QUESTION), Examples(model, tok, d_test, T.DIGIT_QUESTION)),
-        "words": (Examples(model, tok, T.word_examples(args.word_examples, args.seed + 1), T.WORD_QUESTION),
-                  Examples(model, tok, T.word_examples(300, args.seed + 1000), T.WORD_QUESTION)),
-    }
-    rng = random.Random(args.seed)
-    budget = TimeBudget(args.minutes).begin()       # the three phases share it
-    metrics = MetricsLog(out / "metrics.jsonl")
-
-    def heldout(rec: dict) -> None:
-        """Held-out accuracy (100 examples per task), added to `rec` and printed."""
-        for k, (_, te) in tasks.items():
-            rec[f"{k}_heldout_acc_100"] = accuracy(model, tok, te, limit=min(100, args.eval_limit or 100))
-        print(json.dumps(rec), flush=True)
-
-    # Phases A (anchors) and B (regression): cedlm.train.vision_anchors
-    anchors = {k: Anchors(model, tr) for k, (tr, _) in tasks.items()}
-    if args.anchors:                      # phase A of an earlier run on the same text model
-        saved = torch.load(args.anchors, weights_only=True)
-        shared = saved.pop("_shared", None)
-        for k, rows in saved.items():
-            if rows.shape != anchors[k].rows.shape:
-                raise ValueError(f"--anchors: {k} rows {tuple(rows.shape)} do not match this run's "
-                                 f"{tuple(anchors[k].rows.shape)}")
-            anchors[k].rows.data.copy_(rows)
-        if shared is not None:
-            with torch.no_grad():
-                for name, v in shared.items():
-                    getattr(model, name).copy_(v)
-        na = 0
-    else:
-        na = train_anchors(model, anchors, args.anchor_frac * budget.seconds, args.batch, 3e-2, metrics.append,
-                           rng, order=["digits", "digits", "words"])
-    torch.save({**{k: a.rows.detach() for k, a in anchors.items()},
-                "_shared": {n: getattr(model, n).detach().clone()
-                            for n in ("image_start", "image_newline", "image_end")}}, out / "anchors.pt")
-    heldout({"phase": "anchors_done", "steps": na, "elapsed_s": round(budget.elapsed(), 1)})
-    if args.regress_frac <= 0:           # continuing a trained tower: straight to phase C
-        nr = 0
-    elif args.codes:
-        nr = train_codes(model, anchors["digits"], args.regress_frac * budget.seconds, 128, 3e-3,
-                         metrics.append, rng)
-    else:
-        nr = train_regression(model, anchors, args.regress_frac * budget.seconds, 128, args.lr,
-                              metrics.append, rng)
-    heldout({"phase": "regression_done", "steps": nr, "elapsed_s": round(budget.elapsed(), 1)})
-
-    # Phase C: end to end through the frozen text model, in what is left of the budget
-    opt = torch.optim.AdamW(train_params, lr=args.lr, weight_decay=0.01)
-    phase_c = budget.rest()
-
-    def step(i: int) -> dict:
-        lr = cosine_lr(i, peak=0.5 * args.lr, min_lr=0.05 * args.lr, warmup=10, time_frac=phase_c.frac())
-        set_lr(opt, lr)
-        name = args.e2e_tasks[i % len(args.e2e_tasks)]
-        ex = tasks[name][0]
-        model.train()         # the storage rounding passes straight-through gradients
-        loss = loss_of(model, ex, [rng.randrange(len(ex.rows)) for _ in range(args.batch)])
-        model.eval()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(train_params, 1.0)
-        opt.step()
-        return {"phase": "end_to_end", "step": i + 1, "task": name, "loss": round(loss.item(), 5),
-                "lr": lr, "elapsed_s": round(budget.elapsed(), 1)}
-
-    step_n, _ = run_steps(StepLoop(name="cedlm train vision", step=step, stop=args.steps, metrics=metrics,
-                                   budget=phase_c, evaluate=heldout, eval_every=args.eval_every))
-    res = {"anchor_steps": na, "regression_steps": nr, "end_to_end_steps": step_n,
-           "train_seconds": round(budget.elapsed(), 1), "threads": args.threads,
-           "vision_config": vc.to_dict(), "init": str(args.init),
-           "vision_params": sum(p.numel() for p in train_params),
-           "digits_heldout_acc": accuracy(model, tok, tasks["digits"][1], limit=args.eval_limit),
-           "digits_heldout_n": len(tasks["digits"][1].rows[:args.eval_limit]),
-           "words_heldout_acc": accuracy(model, tok, tasks["words"][1], limit=args.eval_limit),
-           "words_heldout_n": len(tasks["words"][1].rows[:args.eval_limit])}
-    unseen = Examples(model, tok, T.word_examples(80, args.seed + 2000, T.UNSEEN_WORDS), T.WORD_QUESTION)
-    res["unseen_words_acc"] = accuracy(model, tok, unseen, limit=args.eval_limit)
-    plot_loss([m for m in metrics.records if m.get("phase") == "end_to_end"], out / "loss.png")
-    for p in model.parameters():
-        p.requires_grad_(True)
-    write_json(out / "args.json", vars(args))
-    save_model(out, model, tok)
-    export_model(out / "checkpoint", out / "export", summary={"stage": "vision", **res})
-    write_json(out / "eval.json", res)
-    print(json.dumps(res, indent=2))
     return 0
