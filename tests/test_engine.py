@@ -200,3 +200,60 @@ def test_prefix_hit_with_exact_replay_reproduces_the_cold_run(tiny):
         llm.generate([a], sp)
         hit = llm.generate([b], sp)[0]
         assert hit.num_cached_tokens == shared and hit.token_ids == cold
+
+
+# ============================================================================ StepOutput
+def test_step_outputs_say_what_each_step_did(tiny):
+    """Engine.step() returns one StepOutput per request it touched: plain Python values, the
+    scored prompt once, the finish on the last one, timings in order; nothing is left behind."""
+    eng = LLM(tiny, block_tokens=8, prefill_chunk=8).engine
+    p = prompts(1, lo=20, hi=21, seed=3)[0]
+    req = eng.add_request(p, SamplingParams(max_tokens=5, temperature=0, logprobs=2, prompt_logprobs=1))
+    outs = []
+    while eng.has_work:
+        outs += [o for o in eng.step() if o.request_id == req.request_id]
+    assert [len(o.new_token_ids) for o in outs] == [0, 0, 1, 1, 1, 1, 1]   # 3 chunks of <= 8, then 5 tokens
+    ids = [t for o in outs for t in o.new_token_ids]
+    assert ids == req.output_ids == greedy_reference(tiny, p, 5)
+    assert all(type(t) is int for t in ids) and all(type(x) is float for o in outs for x in o.new_logprobs)
+    assert sum(x for o in outs for x in o.new_logprobs) == pytest.approx(req.cumulative_logprob)
+    tops = [tp for o in outs for tp in o.new_top_logprobs]
+    assert len(tops) == 5 and all(len(i) == len(v) == 2 and type(i[0]) is int and type(v[0]) is float
+                                  for i, v in tops)
+    scored = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+    assert len(scored) == 1 and len(scored[0]) == len(p) and scored[0][0] is None
+    assert [o.finished for o in outs] == [False] * 6 + [True] and outs[-1].finish_reason == "length"
+    last = outs[-1]
+    assert (last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens) == (len(p), 5, 0)
+    t = last.times
+    assert t.arrival <= t.first_scheduled <= t.first_token <= t.finished
+    assert t.queue_s >= 0 and t.ttft_s >= t.prefill_s >= 0 and t.e2e_s >= t.decode_s >= 0
+    assert t.time_per_output_token(5) == pytest.approx(t.decode_s / 4)
+    assert not eng.requests and not eng.runs and not eng.kv.tables and eng.pool.num_used == 0
+
+
+def test_step_outputs_of_samples_and_failures(tiny, monkeypatch):
+    """n samples: the forked ones get their own outputs from the step the prompt is done; a
+    request failed by its batch gets finish_reason "error" with the error in its last output."""
+    from cedlm.engine.sampler import Sampler
+    eng = LLM(tiny, block_tokens=8).engine
+    reqs = eng.add_samples(prompts(1, seed=5)[0], SamplingParams(n=3, max_tokens=3, seed=1), "g")
+    got: dict[str, list] = {}
+    while eng.has_work:
+        for o in eng.step():
+            got.setdefault(o.request_id, []).append(o)
+    for r in reqs:
+        assert [t for o in got[r.request_id] for t in o.new_token_ids] == r.output_ids
+        assert got[r.request_id][-1].group_id == "g" and got[r.request_id][-1].finished
+    real = Sampler.sample
+
+    def broken(self, logits, params, gens, **kw):
+        raise OverflowError("bad row")
+    monkeypatch.setattr(Sampler, "sample", broken)
+    bad = eng.add_request(prompts(1, seed=6)[0], SamplingParams(max_tokens=3))
+    last = None
+    while eng.has_work:
+        last = next((o for o in eng.step() if o.request_id == bad.request_id), last)
+    monkeypatch.setattr(Sampler, "sample", real)
+    assert last.failed and "bad row" in last.error and last.new_token_ids == ()
+    assert eng.pool.num_used == 0 and not eng.runs

@@ -316,3 +316,27 @@ def test_preempted_prefill_is_readmitted_and_finishes():
         pre += out.preempted
         run_step(s, out)
     assert old.finished and new.finished and new in pre and a.nfree == 6
+
+
+def test_lookahead_is_reserved_through_the_scheduler_and_released():
+    """Speculative drafts: slots for the lookahead are taken for all sequences or none,
+    `advance` gives back the ones not kept, preemption gives back everything."""
+    a = FakeAlloc(12, 4)
+    s = Scheduler(a, num_blocks=12, block_tokens=4, max_num_seqs=4, prefill_chunk=64, max_model_len=100)
+    x, y = mk("x", 6, max_tokens=40), mk("y", 6, max_tokens=40)
+    s.add(x), s.add(y)
+    run_step(s, s.schedule())                       # both prefilled: 7 tokens each, 2 blocks each
+    out = s.schedule()
+    assert out.decode == [x, y] and a.held == {"x": 2, "y": 2}
+    assert s.reserve_lookahead([x, y], 6)           # positions 0..12: 4 blocks each
+    assert a.held == {"x": 4, "y": 4} and a.nfree == 4
+    assert not s.reserve_lookahead([x, y], 20)      # 7 blocks each do not fit: none kept
+    assert a.held == {"x": 2, "y": 2} and a.nfree == 8
+    assert s.reserve_lookahead([x, y], 6)
+    s.advance(x, 3)                                  # 2 drafts accepted + the target's token
+    s.advance(y, 1)                                  # none accepted
+    assert (x.num_computed_tokens, y.num_computed_tokens) == (9, 7)
+    assert a.held == {"x": 3, "y": 2} and a.nfree == 7    # slots past the next position released
+    assert s.reserve_lookahead([x, y], 6) and a.held["y"] == 4
+    s._preempt(y, out)                                # noqa: SLF001 - preemption, as schedule() does it
+    assert "y" not in a.held and y.num_computed_tokens == 0 and y.status is Status.WAITING

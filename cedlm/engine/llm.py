@@ -55,7 +55,7 @@ class _Collected:
 
     def __init__(self, index: int):
         self.index, self.token_ids, self.logprobs, self.top, self.text = index, [], [], [], ""
-        self.finish_reason = self.stop_reason = None
+        self.finish_reason = self.stop_reason = self.times = None
 
     def add(self, o: StepOutput) -> None:
         self.token_ids += o.new_token_ids
@@ -63,7 +63,7 @@ class _Collected:
         self.top += o.new_top_logprobs or ()
         self.text += o.text
         if o.finished:
-            self.finish_reason, self.stop_reason = o.finish_reason, o.stop_reason
+            self.finish_reason, self.stop_reason, self.times = o.finish_reason, o.stop_reason, o.times
 
     def output(self, params: SamplingParams) -> CompletionOutput:
         """The finished sample as plain Python values."""
@@ -72,6 +72,15 @@ class _Collected:
         return CompletionOutput(self.index, self.text, list(self.token_ids), self.finish_reason,
                                 self.stop_reason, list(self.logprobs) if want_lp else None, top,
                                 float(sum(self.logprobs)))
+
+
+def _timings(c: _Collected) -> dict:
+    """Sample 0's queue time, time to first token, time per output token and end-to-end time."""
+    t = c.times
+    if t is None:
+        return {}
+    return {"queue_s": t.queue_s, "ttft_s": t.ttft_s, "e2e_s": t.e2e_s,
+            "time_per_output_token_s": t.time_per_output_token(len(c.token_ids))}
 
 
 def _split_images(prompt):
@@ -171,7 +180,8 @@ class LLM:
                 lead.group_id, p if isinstance(p, str) else None, list(lead.prompt_ids), first.text,
                 first.token_ids, first.finish_reason, first.logprobs, first.top_logprobs,
                 lead.num_cached_tokens,
-                {"elapsed_s": dt, "preemptions": sum(r.num_preemptions for r in g)},
+                {"elapsed_s": dt, "preemptions": sum(r.num_preemptions for r in g),
+                 **_timings(got[lead.request_id])},
                 lead.prompt_logprobs if lead.params.prompt_logprobs is not None else None,
                 samples))
         return outs

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import re
 import sys
 
 from cedlm.engine.args import add_cli_args, parse_bytes

@@ -182,7 +182,7 @@ class EngineWorker:
         `Engine.add_samples`); returns one asyncio.Queue per sample, in sample order. The samples'
         engine ids are `sample_ids(request_id, k)`."""
         loop = asyncio.get_running_loop()
-        qs: list[asyncio.Queue] = [asyncio.Queue() for _ in range(getattr(params, "num_samples", 1))]
+        qs: list[asyncio.Queue] = [asyncio.Queue() for _ in range(params.num_samples)]
         with self._lock:
             if self._failed is not None:
                 for q in qs:
