@@ -205,23 +205,27 @@ def test_ddp_two_ranks_match_one_process(corpus, tmp_path):
     one = single["metrics"]
     assert len(two) == len(one) == 3
     # two half-batch gradients all-reduced vs one whole-batch gradient: other summation orders, and
-    # Adam turns rounding-level gradient differences into small weight steps (4.2e-5 relative seen
-    # under ATEN_CPU_CAPABILITY=default, below 1e-5 natively here)
-    for a, b in zip(one, two):
-        assert b["loss"] == pytest.approx(a["loss"], rel=2e-4, abs=1e-5)
-    assert two[-1]["val_loss"] == pytest.approx(one[-1]["val_loss"], rel=2e-4, abs=1e-5)
+    # Adam turns rounding-level gradient differences into small weight steps. The first loss is
+    # computed before any step (rounding only); later ones drift: 4.2e-5 relative seen under
+    # ATEN_CPU_CAPABILITY=default, 2.5e-4 under MKL_ENABLE_INSTRUCTIONS=AVX2, below 1e-5 natively
+    rel = [abs(b["loss"] - a["loss"]) / abs(a["loss"]) for a, b in zip(one, two)]
+    rel.append(abs(two[-1]["val_loss"] - one[-1]["val_loss"]) / abs(one[-1]["val_loss"]))
+    assert rel[0] <= 2e-5 and max(rel) <= 1e-3, rel
     state = load_training_state(tmp_path / "two")
     assert state["world_size"] == 2
     # same MoE balancing decisions: the biases follow the all-reduced load exactly
     # (weights agree only to Adam-amplified rounding: g / sqrt(v) of near-zero grads)
     m2, _ = ck.load_model(tmp_path / "two")
-    # Two half batches round differently from one whole batch (other GEMM shapes), and one
-    # token whose router scores tie to the last bits can go to another expert: its old and its new
-    # expert's loads move by one, so at most those two bias entries of that layer can move (seen
-    # under MKL_ENABLE_INSTRUCTIONS=SSE4_2: 2 entries of one layer). Any other difference fails.
+    # Two half batches round differently from one whole batch (other GEMM shapes), and after the
+    # first step Adam has turned that into weight differences of up to ~1e-3 relative: a token whose
+    # router scores are that close can go to another expert, moving its old and new expert's load
+    # by one, so at most those two bias entries of that layer. Measured: 0 entries natively here,
+    # 2 entries of one layer under MKL_ENABLE_INSTRUCTIONS=SSE4_2, 1 entry in each of two layers
+    # under AVX2. Bound: at most 2 per layer and 1/6 of all entries.
     moved = [int((l1.ffn.gate.bias != l2.ffn.gate.bias).sum())
              for l1, l2 in zip(single["model"].layers, m2.layers)]
-    assert all(n <= 2 for n in moved) and sum(n > 0 for n in moved) <= 1, moved
+    total = sum(l.ffn.gate.bias.numel() for l in m2.layers)
+    assert all(n <= 2 for n in moved) and 6 * sum(moved) <= total, moved
 
 
 def sys_args(corpus, out, *extra):
