@@ -24,8 +24,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("cedlm/official/load.py", "mod._parameters"):
         "torch.nn.Module keeps parameters in _parameters; replacing one in place has no public API",
     ("cedlm/official/load.py", "mod._buffers"): "as _parameters, for buffers",
-    ("cedlm/train/cli.py", "sp._actions"):
-        "argparse has no public way to list a parser's actions (stage flags are copied from it)",
     ("cedlm/cache/store/__init__.py", "from cedlm.cache.store.dir_store import _host_tag"):
         "the store package re-exports its directory store's helpers for its own tests",
     ("cedlm/cache/store/__init__.py", "from cedlm.cache.store.dir_store import _write_parts"):
