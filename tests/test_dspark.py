@@ -138,3 +138,37 @@ def test_markov_decode_is_left_to_right():
     bias, _ = dspark.markov_terms(m, h, prev)
     assert torch.allclose(logits, base + bias, atol=1e-5)
     assert torch.equal(toks, logits.argmax(-1))
+
+
+def test_draft_window_is_block_anchored():
+    """The reference's DSpark window (vLLM sparse_swa.py, the DSpark index kernel): every row of
+    a block at P sees the same context positions max(P - W, 0) .. P - 1 plus the whole block.
+    Re-derived here position by position on a tiny config (3 draft layers, window 8, block 5) and
+    compared with the engine's ring form (draft_block) and the training form (full_forward)."""
+    cfg = _tiny(num_nextn_predict_layers=3, dspark_block_size=5)
+    W, N, S = cfg.sliding_window, 5, 30
+    assert W == 8
+    torch.manual_seed(4)
+    m = CEDModel(cfg, dspark=True).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(5))
+    taps = _context_taps(m, ids)
+    rows = dspark.context_rows(m.mtp, taps, torch.arange(S)[None])          # per layer [1, S, hd]
+    anchors = [2, 8, 13, 20, 25]
+    with torch.no_grad():
+        full = dspark.full_forward(m, ids, taps, torch.tensor([anchors]))[0]
+    mask = dspark.context_mask(torch.tensor([anchors]).repeat_interleave(N, 1), S, W)[0]
+    for k, P in enumerate(anchors):
+        # the mask, one (row, position) pair at a time, from the reference's start/end
+        start, end = max(P - W, 0), P
+        want = torch.tensor([[start <= j < end for j in range(S)] for _ in range(N)])
+        assert torch.equal(mask[k * N:(k + 1) * N], want), f"anchor {P}"
+        valid = torch.cat((want[:, :P], torch.ones(N, N, dtype=torch.bool)), -1)[None]
+        with torch.no_grad():
+            ref = dspark.blocks_forward(m, dspark.block_ids(cfg, ids[:, P]), P + torch.arange(N)[None],
+                                        [r[:, :P] for r in rows], valid)[0]
+        st = dspark.DraftState(m.kv_layout, 3)
+        st.write([r[0, :P] for r in rows], torch.arange(P))
+        h, _ = dspark.draft_block(m, [st], ids[:, P], torch.tensor([P]))
+        # the ring stores rows in the window format (rounding), the re-derivation uses them raw
+        assert torch.allclose(h[0], ref, atol=2e-3, rtol=1e-3), f"anchor {P}: ring"
+        assert torch.allclose(full[k], h[0], atol=1e-4, rtol=1e-4), f"anchor {P}: training form"

@@ -16,8 +16,11 @@ Mechanism:
   the rows live in the drafter's own per-sequence rings (`DraftState`, `sliding_window` slots);
 - one parallel forward drafts a block: the anchor (the last sampled token, not yet seen by the
   target) and `dspark_block_size - 1` noise tokens at positions P..P+N-1; inside the block
-  attention is non-causal, toward the context it is the usual sliding window; row i predicts the
-  token at P+i+1 through the final norm and the shared head;
+  attention is non-causal, and toward the context every row of the block sees the same window:
+  the last `sliding_window` positions before the block, P-W..P-1 (the reference's block-anchored
+  window, vLLM `v1/attention/backends/mla/sparse_swa.py`, the DSpark index kernel:
+  `start_pos = max(prefix_len - window_size, 0)`, `end_pos = seq_len`); row i predicts the token
+  at P+i+1 through the final norm and the shared head;
 - Markov head: left to right, the previous token (the anchor, then the previous draft) adds a
   rank-r bias embed(prev) @ head^T to row i's logits (`markov_decode`);
 - confidence head: sigmoid(proj([hidden_i ; embed(prev_i)])), the probability that draft i is
@@ -245,19 +248,22 @@ def draft_block(model, states: list[DraftState], anchors: torch.Tensor, P: torch
         ks = [st.keys(s) for st in states]
         ctx.append(torch.stack([k for k, _ in ks]))
         kp = torch.stack([p for _, p in ks])                                  # same for every s
-    qp = pos.unsqueeze(-1)
-    kpos = kp.unsqueeze(1)
-    cvalid = (kpos >= 0) & (kpos < P[:, None, None]) & (kpos > qp - W)
+    cvalid = window_visible(kp, P[:, None], W).unsqueeze(1).expand(-1, N, -1)
     valid = torch.cat((cvalid, torch.ones(pos.shape[0], N, N, dtype=torch.bool)), -1)
     h = blocks_forward(model, ids, pos, ctx, valid)
     return h, base_logits(model, h)
 
 
-def context_mask(pos_q: torch.Tensor, anchors: torch.Tensor, S: int, W: int) -> torch.Tensor:
-    """Training form of the context visibility: block rows at positions pos_q [B, T] whose block
-    starts at anchors [B, T] see target positions kp < anchor with kp > pos_q - W ([B, T, S])."""
-    kp = torch.arange(S).view(1, 1, S)
-    return (kp < anchors.unsqueeze(-1)) & (kp > pos_q.unsqueeze(-1) - W)
+def window_visible(kp: torch.Tensor, P: torch.Tensor, W: int) -> torch.Tensor:
+    """Which context positions kp a block starting at P sees (kp -1: an empty slot): the last W
+    before it, P - W <= kp < P, the same for every row of the block (the reference's window)."""
+    return (kp >= 0) & (kp < P) & (kp >= P - W)
+
+
+def context_mask(anchors: torch.Tensor, S: int, W: int) -> torch.Tensor:
+    """Training form of the context visibility: block rows whose block starts at anchors [B, T]
+    see target positions anchor - W <= kp < anchor ([B, T, S]), whatever their row."""
+    return window_visible(torch.arange(S).view(1, 1, S), anchors.unsqueeze(-1), W)
 
 
 def full_forward(model, ids: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
@@ -275,5 +281,5 @@ def full_forward(model, ids: torch.Tensor, taps: torch.Tensor, anchors: torch.Te
     pos = a + torch.arange(N).repeat(K)
     blk = torch.arange(K).repeat_interleave(N)
     same = (blk[:, None] == blk[None, :]).expand(B, K * N, K * N)
-    valid = torch.cat((context_mask(pos, a, S, W), same), -1)
+    valid = torch.cat((context_mask(a, S, W), same), -1)
     return blocks_forward(model, bids, pos, ctx, valid).view(B, K, N, -1)
