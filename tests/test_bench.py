@@ -152,3 +152,16 @@ def test_quick_smoke(tmp_path, capsys):
             assert "mtp.safetensors" in res["skipped"]
     assert (out / "BENCHMARKS.md").exists()
     assert "results:" in capsys.readouterr().out
+
+
+def test_engine_options_reach_the_figures_or_say_why_not():
+    """`cedlm bench` takes the engine's flags (one options surface with serve / generate / LLM):
+    a flag the user set reaches the figures' engines; one a figure fixes is reported, not dropped."""
+    from cedlm.bench.common import Ctx
+    lines = []
+    ctx = Ctx(quick=True, log=lines.append, engine_options={"prefill_chunk": 128, "max_num_seqs": 3})
+    cfg = ctx.engine_config("kv_bytes", kv_budget_bytes=64 << 20, max_num_seqs=1)
+    assert cfg.prefill_chunk == 128 and cfg.max_num_seqs == 1 and cfg.kv_budget_bytes == 64 << 20
+    assert lines == ["kv_bytes: --max-num-seqs 3 not applied (the figure fixes max_num_seqs = 1)"]
+    with pytest.raises(SystemExit, match="max_num_seqs: must be positive"):
+        cli.main(["--only", "kv_bytes", "--max-num-seqs", "0"])

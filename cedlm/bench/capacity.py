@@ -25,9 +25,9 @@ TITLE = "Sequences that fit a fixed KV budget"
 BLOCK = 128
 
 
-def _paged_model(model, budget: int, contexts, ids_short, ids_odd):
+def _paged_model(ctx, model, budget: int, contexts, ids_short, ids_odd):
     from cedlm.cache.block_pool import BlockPool, BlockTable
-    from cedlm.engine.engine import Engine, EngineConfig
+    from cedlm.engine.engine import Engine
     from cedlm.plan import kv_bytes_per_token, sequence_bytes, window_bytes_per_sequence
     cfg = model.cfg
     probe = BlockPool(model.kv_layout, 1, BLOCK)
@@ -50,8 +50,9 @@ def _paged_model(model, budget: int, contexts, ids_short, ids_odd):
         per_seq = blocks * bpb + window + comp
         S = budget // per_seq
         # the real allocator: the engine sizes its pool from the budget and max_num_seqs
-        eng = Engine(model, None, EngineConfig(kv_budget_bytes=budget - S * comp, max_num_seqs=S,
-                                               block_tokens=BLOCK, enable_prefix_cache=False))
+        eng = Engine(model, None, ctx.engine_config("capacity", kv_budget_bytes=budget - S * comp,
+                                                    max_num_seqs=S, block_tokens=BLOCK,
+                                                    enable_prefix_cache=False))
         tables = [BlockTable(eng.pool) for _ in range(S)]
         for t in tables:
             t.ensure(blocks)                      # raises NoFreeBlocks if S did not fit
@@ -84,7 +85,7 @@ def run(ctx: Ctx) -> dict:
               "V4-Flash-small40": ctx.preset_model("small40-v4flash")}
     # the 40-layer pair cross-checks allocation against shorter real prefills in quick mode
     short40, odd40 = ids_short[: ctx.size(512, 128)], ids_odd       # 127: a full ratio-128 pending group
-    res = {name: _paged_model(m, budget, contexts, *((short40, odd40) if "40" in name else (ids_short, ids_odd)))
+    res = {name: _paged_model(ctx, m, budget, contexts, *((short40, odd40) if "40" in name else (ids_short, ids_odd)))
            for name, m in models.items()}
     tw = ctx.decoder_only()
     ts = tw.new_state()

@@ -7,6 +7,10 @@ from pathlib import Path
 
 FULL_OUT = Path("bench/results")
 QUICK_OUT = Path("bench/results/quick")
+# EngineArgs fields bench does not take as engine flags: its own --threads and --seed mean the
+# same for every figure, and the dspark figure runs plain and speculative decoding itself.
+BENCH_SKIPS = ("num_threads", "seed", "speculative", "speculative_threshold", "num_draft_tokens",
+               "engram_mmap")
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +32,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="(the default; kept for compatibility) never pip-install anything")
     p.add_argument("--no-profile", action="store_true", help="do not profile missed targets")
     p.add_argument("--seed", type=int, default=0)
+    # The engine's options (EngineArgs), for the figures that run the engine (capacity, kv_bytes,
+    # dspark); a figure that fixes one of them for what it measures says so and keeps its value.
+    from cedlm.engine.args import EngineConfig, add_cli_args
+    g = p.add_argument_group("engine options (default: the engine's; see `cedlm serve --help`)")
+    add_cli_args(g, skip=BENCH_SKIPS, **{f: None for f in EngineConfig.__dataclass_fields__})
     p.add_argument("--dspark-model", type=Path, default=None, metavar="DIR",
                    help="dspark figure: the model dir with its trained drafter (mtp.safetensors; "
                         "default runs/dspark/export)")
@@ -50,6 +59,13 @@ def run(args) -> int:
         names = select(args.only)
     except ValueError as e:
         raise SystemExit(f"cedlm bench: error: {e}")
+    from cedlm.engine.args import EngineConfig
+    engine_options = {f: getattr(args, f) for f in EngineConfig.__dataclass_fields__
+                      if getattr(args, f, None) is not None}
+    try:
+        EngineConfig(**engine_options)
+    except ValueError as e:
+        raise SystemExit(f"cedlm bench: error: {e}")
     out = args.out or (QUICK_OUT if args.quick else FULL_OUT)
     md = args.md
     if md is None:
@@ -57,7 +73,7 @@ def run(args) -> int:
     ctx = Ctx(quick=args.quick, out=out, threads=args.threads,
               install=args.install_peer and not args.no_install,
               profile=not args.no_profile, seed=args.seed, log=lambda s: print(s, flush=True),
-              dspark_model=args.dspark_model)
+              dspark_model=args.dspark_model, engine_options=engine_options)
     results = run_figures(names, ctx, md)
     print(f"results: {out}/  report: {md}")
     return 1 if any(r.get("error") for r in results) else 0

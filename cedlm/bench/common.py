@@ -83,7 +83,22 @@ class Ctx:
     seed: int = 0
     log: object = print
     dspark_model: Path | None = None     # dspark figure: model dir with mtp.safetensors
+    engine_options: dict = field(default_factory=dict)   # engine flags the user set (EngineArgs names)
     _models: dict = field(default_factory=dict)
+
+    def engine_config(self, figure: str, **design):
+        """The EngineConfig a figure runs: the engine's defaults, the figure's own `design` values
+        (what it measures: budget, batch, block size), then the engine flags the user set. A flag
+        the figure fixes is not applied, and a line says so (never silently ignored)."""
+        import dataclasses
+        from cedlm.engine.args import EngineConfig
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        user = {k: v for k, v in self.engine_options.items() if k in names}
+        for k in sorted(set(user) & set(design)):
+            if user[k] != design[k]:
+                self.log(f"{figure}: --{k.replace('_', '-')} {user[k]} not applied (the figure "
+                         f"fixes {k} = {design[k]})")
+        return EngineConfig(**{**user, **design})
 
     def size(self, full, quick):
         return quick if self.quick else full

@@ -38,15 +38,15 @@ def _prompts(tok, n: int, length: int) -> list[list[int]]:
     return out
 
 
-def _run(model, tok, prompts, max_tokens: int, spec) -> dict:
+def _run(ctx, model, tok, prompts, max_tokens: int, spec) -> dict:
     """One group of prompts decoded together by a fresh engine: decode seconds and tokens (the
     engine steps once every prompt is prefilled, and the tokens their StepOutputs carry),
     outputs, and the speculator's counters."""
-    from cedlm.engine.engine import Engine, EngineConfig
+    from cedlm.engine.engine import Engine
     from cedlm.engine.request import Status
     from cedlm.engine.sampling_params import SamplingParams
-    e = Engine(model, tok, EngineConfig(kv_budget_bytes=64 << 20, max_num_seqs=len(prompts),
-                                        enable_prefix_cache=False), speculative=spec)
+    e = Engine(model, tok, ctx.engine_config("dspark", kv_budget_bytes=64 << 20, max_num_seqs=len(prompts),
+                                             enable_prefix_cache=False), speculative=spec)
     spent = {"s": 0.0, "tokens": 0}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     reqs = [e.add_request(p, params) for p in prompts]
@@ -95,7 +95,7 @@ def run(ctx: Ctx) -> dict:
             order = configs[k % 3:] + configs[: k % 3]
             got = {}
             for name, spec in order:
-                got[name] = r = _run(model, tok, g, new, spec)
+                got[name] = r = _run(ctx, model, tok, g, new, spec)
                 a = acc[name]
                 a["s"] += r["s"]
                 a["tokens"] += r["tokens"]

@@ -27,7 +27,7 @@ OFFICIAL = [  # (label, preset, which number)
 
 def run(ctx: Ctx) -> dict:
     from cedlm.cache.block_pool import BlockPool
-    from cedlm.engine.engine import Engine, EngineConfig
+    from cedlm.engine.engine import Engine
     from cedlm.plan import kv_bytes_per_token
 
     rows = []
@@ -44,7 +44,7 @@ def run(ctx: Ctx) -> dict:
     # CED-small: the engine's pool and a SequenceState after a real prefill
     ced = ctx.ced()
     f_ced = kv_bytes_per_token(ced.cfg)["total"]
-    eng = Engine(ced, None, EngineConfig(kv_budget_bytes=64 << 20, max_num_seqs=1))
+    eng = Engine(ced, None, ctx.engine_config("kv_bytes", kv_budget_bytes=64 << 20, max_num_seqs=1))
     pool_bpt = eng.pool.bytes_per_block / eng.block_tokens
     st = ced.new_state()
     ced.prefill(ids, st, "bounded", chunk_size=256)
