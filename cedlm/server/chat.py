@@ -231,6 +231,7 @@ async def chat(body: ChatCompletionRequest, raw: Request):
         return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = bool(body.stream_options and body.stream_options.continuous)   # usage on every chunk
 
     class Choice:
         def __init__(self):
@@ -256,6 +257,8 @@ async def chat(body: ChatCompletionRequest, raw: Request):
     seqs = [Choice() for _ in group.events]
 
     def chunk(k: int, delta: DeltaMessage, finish=None, logprobs=None, **kw) -> str:
+        if continuous:                          # the usage so far (all choices), as vLLM sends it
+            kw["usage"] = usage([s.out_ids for s in seqs])
         return sse(ChatCompletionChunk(id=rid, created=created, model=resolved.requested,
                                        choices=[ChatChunkChoice(index=k, delta=delta, logprobs=logprobs,
                                                                 finish_reason=finish)], **kw))

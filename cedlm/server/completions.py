@@ -210,6 +210,7 @@ async def completions(body: CompletionRequest, raw: Request):
         return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = bool(body.stream_options and body.stream_options.continuous)   # usage on every chunk
     n_out = [0] * len(group.events)
     offset = [0] * len(group.events)
     started = [False] * len(group.events)
@@ -221,7 +222,8 @@ async def completions(body: CompletionRequest, raw: Request):
             w, warned[0] = resolved.warning, True
         return sse(CompletionResponse(id=rid, created=created, model=resolved.requested, warning=w,
                                       choices=[CompletionChoice(index=k, text=text, logprobs=logprobs,
-                                                                finish_reason=finish, prompt_logprobs=plp)]))
+                                                                finish_reason=finish, prompt_logprobs=plp)],
+                                      usage=usage(sum(n_out)) if continuous else None))
 
     def fmt(k: int, ev: Delta | Finished):
         p = k // want
@@ -263,9 +265,11 @@ def _echo_only(srv, body, resolved, headers, created, ids_list, echo_texts):
         return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
 
     def body_iter():
+        continuous = bool(body.stream_options and body.stream_options.continuous)
         for c in choices:
             yield sse(CompletionResponse(id=rid, created=created, model=resolved.requested, choices=[c],
-                                         warning=resolved.warning if c.index == 0 else None))
+                                         warning=resolved.warning if c.index == 0 else None,
+                                         usage=usage if continuous else None))
         if body.stream_options and body.stream_options.include_usage:
             yield sse({"id": rid, "object": "text_completion", "created": created, "model": resolved.requested,
                        "choices": [], "usage": usage.model_dump(exclude_none=True)})

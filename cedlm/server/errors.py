@@ -105,10 +105,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
             param = m.group(1)
         else:
             msg = f"request body: {msg}"
-    elif re.match(rf"{re.escape(loc[-1])}[\[.:]", msg):   # the check named the field (and a sub-path)
-        msg = ".".join(loc[:-1] + [msg])
     else:
-        msg = f"{'.'.join(loc)}: {msg}"
+        named = next((i for i in range(len(loc))          # the check named the field (or its path)
+                      if re.match(rf"{re.escape('.'.join(loc[i:]))}[\[.:]", msg)), None)
+        msg = ".".join(loc[:named] + [msg]) if named is not None else f"{'.'.join(loc)}: {msg}"
     if len(errs) > 1:
         msg += f" (and {len(errs) - 1} more error{'s' if len(errs) > 2 else ''})"
     return APIError(400, msg, param=param, code="invalid_value" if param else "invalid_body")

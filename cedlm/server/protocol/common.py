@@ -151,16 +151,16 @@ class CommonRequest(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """include_usage: a last chunk with the usage and no choices; continuous_usage_stats (vLLM's
+    extension, sent by guidellm): every chunk also carries the usage so far."""
     model_config = ConfigDict(extra="allow")
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
 
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _continuous(cls, v):
-        if v:
-            raise ValueError("stream_options.continuous_usage_stats: not supported")
-        return v
+    @property
+    def continuous(self) -> bool:
+        """Usage on every chunk (honoured with or without include_usage, never ignored)."""
+        return self.continuous_usage_stats
 
 
 CommonRequest.model_rebuild()
