@@ -26,7 +26,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -229,3 +231,35 @@ def test_lm_eval_local_completions(server, tmp_path, monkeypatch, capsys):
     for i, r in enumerate(ours):
         ll = per_doc[i][0] if isinstance(per_doc[i], (list, tuple)) else per_doc[i]
         assert -float(ll) == pytest.approx(r["nats"], rel=0.01), (i, ll, r)
+
+
+def readme_lm_eval_command() -> list[str]:
+    """The README's `lm_eval` command line (its fenced bash block), split as a shell would."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if b.startswith("lm_eval "))
+    return shlex.split(block.replace("\\\n", " "))
+
+
+def test_readme_command(server, tmp_path):
+    """The README's lm-eval command, run as written through the `lm_eval` CLI against the running
+    server: only the port (8000 -> this server's), the task (`wikitext`, a hub download -> the local
+    `cedlm_ppl`, with `--include_path`) and `--limit 2` differ. Before the fix it failed with
+    "got multiple values for keyword argument 'batch_size'"."""
+    argv = readme_lm_eval_command()
+    assert argv[0] == "lm_eval" and "--batch_size" in argv
+    i = argv.index("--tasks")
+    argv[i + 1] = "cedlm_ppl"
+    j = argv.index("--model_args")
+    assert "http://127.0.0.1:8000/v1/completions" in argv[j + 1]
+    argv[j + 1] = argv[j + 1].replace("http://127.0.0.1:8000", server)
+    tasks = write_tasks(tmp_path)
+    lm_eval_bin = Path(sys.executable).with_name("lm_eval")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets")}
+    r = subprocess.run([str(lm_eval_bin), *argv[1:], "--include_path", str(tasks), "--limit", "2"],
+                       cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = next(ln for ln in r.stdout.splitlines() if ln.startswith("|cedlm_ppl"))
+    value = re.search(r"bits_per_byte\s*\|[^|]*\|\s*([0-9.]+)\s*\|", row)
+    assert value and 0 < float(value.group(1)) < 20, row
