@@ -27,7 +27,8 @@ from cedlm.config import ModelConfig
 from cedlm.model import build_model
 from cedlm.model.model import CEDModel
 from cedlm.official import is_official_layout, load_official_model
-from cedlm.text.engram_map import engram_token_map
+from cedlm.official.load import model_config_for
+from cedlm.text.engram_map import set_token_map  # noqa: F401  (re-exported: the loaders' map setter)
 from cedlm.text.tokenizer import load_tokenizer
 from cedlm.util import atomic_directory
 
@@ -61,17 +62,6 @@ def save_checkpoint(path: str | Path, model: CEDModel, tokenizer, training_state
     return path
 
 
-def set_token_map(model: CEDModel, tokenizer) -> None:
-    """Set the model's Engram compressed ids from its tokenizer: the map its config names
-    (`engram_token_map`: "v41", or "legacy-v0" for checkpoints trained with it), size-checked
-    against `engram_compressed_vocab_size` (`ConfigError` naming both numbers; see
-    `cedlm.text.engram_map`). Ids beyond the tokenizer's vocabulary keep the default map."""
-    if not hasattr(model, "engram_token_map") or not model.cfg.engram_layer_ids:
-        return                                               # decoder-only baseline / no Engram layers
-    ids = engram_token_map(model.cfg, tokenizer)
-    model.engram_token_map[: len(ids)] = torch.tensor(ids, dtype=model.engram_token_map.dtype)
-
-
 def weight_files(ckpt: Path) -> list[Path]:
     """`model.safetensors` first, then the component files beside it (`mtp.safetensors` for the
     DSpark drafter, `vision.safetensors` for the ViT ...), so a stage trained on top of a model
@@ -96,20 +86,23 @@ def read_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
-    """-> (CEDModel in eval mode, Tokenizer) from a checkpoint (or run) directory.
+    """-> (CEDModel in eval mode, Tokenizer) from a checkpoint (or run) directory, in either
+    layout: the DSpark drafter and the vision tower are built when the directory has their
+    tensors, and then loaded strictly (`cedlm.official.load.model_config_for`).
 
     A directory in the official DeepSeek-V4.1 layout (an index file, `quantization_config`, or
     `.scale` tensors) is read by `cedlm.official.load_official_model`: dequantised to float32,
     checked for size first, its report on `model.official_load_report`."""
     ckpt = resolve_checkpoint(path)
-    if is_official_layout(ckpt):
-        model, _ = load_official_model(ckpt)
-    else:
-        cfg = ModelConfig.from_json(ckpt / "config.json")
-        state = read_weights(ckpt)
-        # The DSpark drafter is built when the directory ships its weights (mtp.safetensors).
-        model = build_model(cfg, dspark=any(k.startswith("mtp.") for k in state))
-        model.load_state_dict(state, strict=True)
     tokenizer = load_tokenizer(ckpt)
-    set_token_map(model, tokenizer)
+    if is_official_layout(ckpt):
+        model, _ = load_official_model(ckpt)                  # sets the Engram map itself
+    else:
+        state = read_weights(ckpt)
+        # The same components as the official layout: the DSpark drafter when the directory
+        # ships mtp.* (mtp.safetensors), the vision tower when it ships its tensors.
+        cfg, dspark = model_config_for(ModelConfig.from_json(ckpt / "config.json"), state, ckpt)
+        model = build_model(cfg, dspark=dspark)
+        model.load_state_dict(state, strict=True)
+        set_token_map(model, tokenizer)
     return model.to(device).eval(), tokenizer

@@ -137,7 +137,7 @@ def official_tensors(model: CEDModel) -> tuple[dict, dict]:
     return stored, deq
 
 
-EXTRA = {   # tensors of the official checkpoint outside the text model (shapes scaled down)
+EXTRA = {   # a fragment of the official checkpoint's drafter and vision tensors (shapes scaled down)
     "mtp.0.attn.wq_a.weight": torch.zeros(32, 64, dtype=torch.float8_e4m3fn),
     "mtp.0.attn.wq_a.scale": torch.full((1, 2), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu),
     "mtp.0.ffn.experts.0.w1.weight": torch.zeros(32, 32, dtype=torch.int8),
@@ -159,7 +159,7 @@ def write_official(path: Path, cfg: ModelConfig, stored: dict, tokenizer, n_shar
                    extra: dict | None = None) -> Path:
     """An official-layout directory: shards (Engram tables in the last), index, config, tokenizer."""
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {**stored, **(EXTRA if extra is None else extra)}
+    tensors = {**stored, **(extra or {})}
     engram = [n for n in tensors if ".engram.embed." in n]
     rest = [n for n in tensors if n not in engram]
     per = math.ceil(len(rest) / (n_shards - 1))
@@ -233,13 +233,11 @@ def test_official_layout_loads_with_dequantised_logits(tiny_official, tok):
     assert torch.equal(model.engram_token_map, ref.engram_token_map)
     assert torch.equal(_logits(model), _logits(ref))          # same float32 weights: bit-equal
     rep = model.official_load_report
-    assert rep.shards == 3 and rep.tensors == len(stored) + len(EXTRA)
+    assert rep.shards == 3 and rep.tensors == len(stored)
     assert rep.loaded == {"fp4_expert": 120, "fp8_block": 86, "fp8_rows": 2, "plain": 165}
-    # Multimodal and DSpark tensors: skipped, reported by kind; bias_vl loaded but unused.
-    assert rep.skipped == {"mtp (DSpark draft stages)": 6, "vision tower": 3, "vision aligner": 2,
-                           "image delimiter rows": 3}
+    # No drafter or vision tensors here: none built; bias_vl loaded but unused without a tower.
+    assert rep.components == {} and not hasattr(model, "mtp") and not hasattr(model, "vision")
     assert list(rep.unused.values()) == [cfg.n_layers]
-    assert "skipped (not part of the text model)" in rep.summary()
     assert model.cfg.to_dict().get("quantization_config") is None   # the model is float now
 
 
@@ -392,13 +390,29 @@ def test_too_large_checkpoint_fails_early(tiny_official, tmp_path, capsys):
         load_official_model(tiny_official[0], memory_bytes=100_000)
 
 
+def test_partial_drafter_or_unconfigured_vision_is_an_error(tiny_official, tmp_path, tok):
+    """Drafter and vision tensors load strictly when present: a fragment of them is a layout
+    error listing what is missing / unexpected by kind; vision tensors without a vision_config
+    are refused by name."""
+    from cedlm.official import OfficialCheckpointError
+    _, cfg, stored, _ = tiny_official
+    mtp = {k: v for k, v in EXTRA.items() if k.startswith("mtp.")}
+    bad = write_official(tmp_path / "mtp", cfg, stored, tok, extra=mtp)
+    with pytest.raises(OfficialCheckpointError, match=r"(?s)missing.*mtp \(DSpark draft stages\)"):
+        load_model(bad)
+    vis = {k: v for k, v in EXTRA.items() if not k.startswith("mtp.")}
+    bad = write_official(tmp_path / "vis", cfg, stored, tok, extra=vis)
+    with pytest.raises(OfficialCheckpointError, match="describes no vision tower"):
+        load_model(bad)
+
+
 def test_plan_checkpoint_fits(tiny_official, capsys):
     from cedlm.plan.report import main as plan_main
     assert plan_main(["--checkpoint", str(tiny_official[0]), "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     acc = p["checkpoint"]
     assert acc["fits"] and acc["shards"] == 3
-    assert acc["skipped_disk_bytes"] == sum(t.numel() * t.element_size() for t in EXTRA.values())
+    assert acc["component_disk_bytes"] == 0
     # float32 bytes of every text-model tensor
     assert acc["ram_bytes"] == 4 * sum(t.numel() for t in tiny_official[3].values())
 

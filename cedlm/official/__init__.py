@@ -4,7 +4,7 @@ A checkpoint layer (beside `cedlm.checkpoint`, which dispatches here for an offi
 directory): it imports `cedlm.model`, `cedlm.config`, `cedlm.quant`, nothing above.
 
     layout.py    official names -> cedlm tensors (identity) and each tensor's storage format;
-                 skipped kinds (mtp / vision / aligner / image); grouping for error messages
+                 the drafter and vision components (mtp / vision / aligner / image); grouping
     dequant.py   FP8 32x32-block, packed-FP4 (MXFP4-like) and FP8 per-row dequantisers, and
                  the quantisers the export uses
     errors.py    the loader's errors (`OfficialCheckpointError`, `CheckpointTooLargeError`)

@@ -9,8 +9,9 @@ official nested schema with `quantization_config` (fp8, dynamic activations, [32
 ue8m0 scales, fp4 experts). The directory is written beside DST and renamed into place.
 
 The export rounds every weight (quantisation, or BF16); `ExportReport.errors` gives the relative
-RMS and max-abs error per format. DSpark (`mtp.*`) and vision tensors are not written: cedlm does
-not build them.
+RMS and max-abs error per format. The DSpark drafter (`mtp.*`, stored like the main layers) and
+the vision tower (`vision.*`, `aligner.*`, `image_*`, BF16) are written when the model has them,
+and the loader reads them back (tests/test_official_round_trip.py).
 """
 from __future__ import annotations
 

@@ -20,10 +20,12 @@ cedlm's state-dict names ARE the official text-model names (`embed.weight`,
                                                                          wk / k_norm / weights_proj,
                                                                          engram q_weight / k_weight
 
-Not part of the text model, skipped on load and reported by kind: `mtp.*` (the DSpark draft
-stages), `vision.*`, `aligner.*`, `image_*` (learned image delimiter rows). The per-layer
-`ffn.gate.bias_vl` (routing bias of image-span tokens) has a cedlm buffer: it is loaded there and
-reported as unused by the text-only forward (absent: it stays zero).
+Components beside the text model, loaded strictly when the checkpoint has them (`components`):
+`mtp.*` (the DSpark draft stages: the model gets its drafter) and `vision.*`, `aligner.*`,
+`image_*` (the vision tower, aligner and learned image delimiter rows: the model gets its tower
+when config.json describes one). The per-layer `ffn.gate.bias_vl` (routing bias of image-span
+tokens) has a cedlm buffer: it is loaded there (absent: it stays zero); without a vision tower it
+is reported as unused.
 """
 from __future__ import annotations
 
@@ -60,11 +62,13 @@ _PATTERNS: list[tuple[str, re.Pattern]] = [
     (F32, re.compile(rf"^{_LAYER}\.ffn\.gate\.bias(?:_vl)?$")),
 ]
 
-# Official tensors outside the text model: prefix -> kind.
-SKIPPED_PREFIXES = {"mtp.": "mtp (DSpark draft stages)", "vision.": "vision tower",
-                    "aligner.": "vision aligner", "image_": "image delimiter rows"}
+# Official tensors outside the text model: prefix -> kind; and which component each belongs to.
+COMPONENT_PREFIXES = {"mtp.": "mtp (DSpark draft stages)", "vision.": "vision tower",
+                      "aligner.": "vision aligner", "image_": "image delimiter rows"}
+MTP_PREFIXES = ("mtp.",)
+VISION_PREFIXES = ("vision.", "aligner.", "image_")
 UNUSED_SUFFIXES = {".ffn.gate.bias_vl": "ffn.gate.bias_vl (image-token routing bias; loaded, "
-                                        "unused by the text-only forward)"}
+                                        "unused without a vision tower)"}
 
 
 def storage_format(name: str) -> str:
@@ -89,12 +93,20 @@ def weight_of_scale(name: str) -> str:
     return name[: -len(SCALE_SUFFIX)] + WEIGHT_SUFFIX
 
 
-def skipped_kind(name: str) -> str | None:
-    """The kind of an official tensor a text-only build skips (None: part of the text model)."""
-    for prefix, kind in SKIPPED_PREFIXES.items():
+def component_kind(name: str) -> str | None:
+    """The kind of a tensor outside the text model (None: part of the text model)."""
+    for prefix, kind in COMPONENT_PREFIXES.items():
         if name.startswith(prefix):
             return kind
     return None
+
+
+def components(names) -> tuple[bool, bool]:
+    """(has the DSpark drafter, has the vision tower) for a checkpoint's tensor names: what a
+    loader builds (`cedlm.official.load.model_for_weights`; both layouts)."""
+    names = list(names)
+    return (any(n.startswith(MTP_PREFIXES) for n in names),
+            any(n.startswith(VISION_PREFIXES) for n in names))
 
 
 def unused_kind(name: str) -> str | None:
@@ -112,7 +124,7 @@ def optional(name: str) -> bool:
 # ----------------------------------------------------------------------------- grouping
 def category(name: str) -> str:
     """A human group for error messages and reports."""
-    kind = skipped_kind(name)
+    kind = component_kind(name)
     if kind:
         return kind
     if ".ffn.experts." in name:

@@ -15,16 +15,19 @@ Steps, each failing before the next starts:
    memory-mapped from float32 `.npy` files (`engram_mmap=DIR`, checked against free disk).
 3. layout: names, dtypes and shapes are checked against the model `config.json` describes
    (built on the meta device: no memory); missing, unexpected and malformed tensors are listed
-   together, grouped by kind. `mtp.*`, `vision.*`, `aligner.*` and `image_*` are skipped and
-   reported; `ffn.gate.bias_vl` is loaded into its (text-unused) buffer.
+   together, grouped by kind. The DSpark drafter (`mtp.*`) and the vision tower (`vision.*`,
+   `aligner.*`, `image_*`) are part of the model when the checkpoint has their tensors
+   (`model_config_for`, shared with cedlm's own layout) and then load as strictly as the rest;
+   `ffn.gate.bias_vl` is loaded into its buffer.
 4. load: the model is built with its large tensors left on the meta device (no init, no memory),
    then every tensor is read lazily through `safetensors.safe_open` (memory-mapped) in row
    chunks, dequantised (`dequant.py`) and assigned; peak memory is the float32 model plus one
    chunk.
 
 `load_official(path)` returns the dequantised state dict (no model is kept);
-`load_official_model(path)` returns a `CEDModel` in eval mode; `cedlm.checkpoint.load_model`
-dispatches here for an official-layout directory (`is_official_layout`).
+`load_official_model(path)` returns a `CEDModel` in eval mode with its Engram token map set from
+the directory's tokenizer; `cedlm.checkpoint.load_model` dispatches here for an official-layout
+directory (`is_official_layout`).
 """
 from __future__ import annotations
 
@@ -94,9 +97,23 @@ class _LargeOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _build(cfg: ModelConfig, meta_min_numel: int):
+def _build(cfg: ModelConfig, meta_min_numel: int, dspark: bool):
     with torch.no_grad(), _LargeOnMeta(meta_min_numel):
-        return build_model(cfg)
+        return build_model(cfg, dspark=dspark)
+
+
+def model_config_for(cfg: ModelConfig, names, where) -> tuple[ModelConfig, bool]:
+    """The model a checkpoint's tensor names ask for, in either layout: (config, build the DSpark
+    drafter). The drafter is built when `mtp.*` tensors are present; the vision tower when its
+    tensors are present (config.json must then describe it); a `vision_config` whose tensors are
+    absent loads as the text model (the config is returned without it)."""
+    from cedlm.config.vision import vision_enabled
+    dspark, vision = L.components(names)
+    if vision and not vision_enabled(cfg):
+        raise OfficialCheckpointError(
+            f"{where}: the checkpoint has vision tensors (vision.*, aligner.*, image_*) but "
+            "config.json describes no vision tower (vision_config and image_token_id)")
+    return (cfg if vision else _without(cfg, ("vision_config",))), dspark
 
 
 class ShardReader:
@@ -170,18 +187,17 @@ def _prepare(path, memory_bytes, engram_mmap, meta_min_numel):
     cfg = ModelConfig.from_json(ckpt / "config.json")
     qc = quantization_config(cfg)
     check_quant_config(qc, ckpt)
-    model = _build(_float_config(cfg), meta_min_numel)
+    cfg, dspark = model_config_for(_without(cfg, ("quantization_config",)), infos, ckpt)
+    model = _build(cfg, meta_min_numel, dspark)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     entries, report = plan_load(ckpt, infos, qc, files, expected)
     return ckpt, model, entries, report
 
 
-def _float_config(cfg: ModelConfig) -> ModelConfig:
-    """The loaded model's config: the same, without the storage's `quantization_config`, and
-    without `vision_config` (this loader's scope is the text model: the vision tensors are skipped
-    and reported, so the model is built without a tower)."""
+def _without(cfg: ModelConfig, drop: tuple[str, ...]) -> ModelConfig:
+    """cfg without the named top-level config.json blocks (`quantization_config`: the loaded
+    model is float; `vision_config`: a text-only load)."""
     extra = dict(cfg.extra or {})
-    drop = ("quantization_config", "vision_config")
     if "top" in extra:
         extra["top"] = {k: v for k, v in extra["top"].items() if k not in drop}
     if "top_keys" in extra:
@@ -222,10 +238,25 @@ def load_official_model(path: str | Path, *, engram_mmap: str | Path | None = No
     _release_freed_memory()
     if mmap_dir is not None:
         report.engram = f"float32 .npy files memory-mapped from {mmap_dir}"
+    _set_token_map(model, ckpt)
     report.seconds = time.perf_counter() - t0
     model.eval()
     model.official_load_report = report
     return model, report
+
+
+def _set_token_map(model: nn.Module, ckpt: Path) -> None:
+    """The Engram map from the directory's tokenizer (as `cedlm.checkpoint.load_model` does for
+    every layout): without it the model would hash the identity map."""
+    from cedlm.text.engram_map import set_token_map
+    from cedlm.text.tokenizer import load_tokenizer
+    if not model.cfg.engram_layer_ids:
+        return
+    if not (ckpt / "tokenizer.json").exists():
+        raise OfficialCheckpointError(
+            f"{ckpt}: no tokenizer.json: the Engram token map (compressed ids) comes from the "
+            "checkpoint's tokenizer")
+    set_token_map(model, load_tokenizer(ckpt))
 
 
 def _release_freed_memory() -> None:

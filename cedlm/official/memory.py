@@ -62,8 +62,8 @@ class MemoryAccount:
     shards: int
     tensors: int
     disk_bytes: int                           # every tensor's stored bytes
-    skipped_disk_bytes: int                   # mtp / vision / aligner / image (not loaded)
-    ram_bytes: int                            # float32 bytes of the text model (Engram included)
+    component_disk_bytes: int                 # of which mtp / vision / aligner / image (loaded too)
+    ram_bytes: int                            # float32 bytes of every tensor (Engram included)
     engram_bytes: int                         # ... of which the Engram tables
     by_category: dict[str, int]               # float32 bytes per kind
     available_bytes: int
@@ -87,8 +87,8 @@ class MemoryAccount:
     def describe(self) -> list[str]:
         """Human lines: sizes, the verdict with and without memory-mapped Engram tables."""
         out = [f"checkpoint {self.path}: {self.tensors:,} tensors in {self.shards} shard(s), "
-               f"{size_text(self.disk_bytes)} on disk ({size_text(self.skipped_disk_bytes)} skipped: "
-               "mtp / vision / aligner / image)",
+               f"{size_text(self.disk_bytes)} on disk ({size_text(self.component_disk_bytes)} of it "
+               "DSpark drafter / vision tower)",
                f"  dequantised to float32: {size_text(self.ram_bytes)}"
                + (f" (Engram tables {size_text(self.engram_bytes)})" if self.engram_bytes else "")]
         for cat, b in sorted(self.by_category.items(), key=lambda kv: -kv[1]):
@@ -112,13 +112,12 @@ def checkpoint_memory(ckpt: str | Path, memory_bytes: int | None = None,
         infos, files = read_tensor_infos(ckpt)
     else:
         files = sorted({i.file for i in infos.values()})
-    disk = skipped = ram = engram = 0
+    disk = component = ram = engram = 0
     by_cat: dict[str, int] = {}
     for name, info in infos.items():
         disk += info.nbytes
-        if L.skipped_kind(name):
-            skipped += info.nbytes
-            continue
+        if L.component_kind(name):
+            component += info.nbytes
         if L.is_scale(name) and L.weight_of_scale(name) in infos:
             continue
         b = 4 * float32_numel(info, infos)
@@ -130,7 +129,7 @@ def checkpoint_memory(ckpt: str | Path, memory_bytes: int | None = None,
     avail, total = available_memory()
     if memory_bytes is not None:
         avail = int(memory_bytes)
-    return MemoryAccount(str(ckpt), len(files), len(infos), disk, skipped, ram, engram, by_cat,
+    return MemoryAccount(str(ckpt), len(files), len(infos), disk, component, ram, engram, by_cat,
                          avail, total)
 
 

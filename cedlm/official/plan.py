@@ -29,9 +29,9 @@ class LoadReport:
     path: str
     shards: int
     tensors: int                                          # in the checkpoint, scales included
-    loaded: dict[str, int] = field(default_factory=dict)  # text-model tensors by stored format
-    skipped: dict[str, int] = field(default_factory=dict)  # by kind (scales included)
-    unused: dict[str, int] = field(default_factory=dict)  # loaded, not used by the text model
+    loaded: dict[str, int] = field(default_factory=dict)  # tensors by stored format
+    components: dict[str, int] = field(default_factory=dict)  # of which outside the text model, by kind
+    unused: dict[str, int] = field(default_factory=dict)  # loaded, not used by this model
     defaulted: list[str] = field(default_factory=list)    # optional tensors the checkpoint lacks
     disk_bytes: int = 0
     ram_bytes: int = 0                                    # float32 bytes held in RAM
@@ -44,9 +44,9 @@ class LoadReport:
         lines = [f"loaded {self.path} ({self.shards} shard(s), {self.tensors:,} tensors, "
                  f"{size_text(self.disk_bytes)} on disk) in {self.seconds:.2f} s: {fm}; "
                  f"{size_text(self.ram_bytes)} float32 in RAM; Engram tables in {self.engram}"]
-        if self.skipped:
-            lines.append("skipped (not part of the text model): "
-                         + ", ".join(f"{k} {v:,}" for k, v in sorted(self.skipped.items())))
+        if self.components:
+            lines.append("beside the text model: "
+                         + ", ".join(f"{k} {v:,}" for k, v in sorted(self.components.items())))
         for k, v in sorted(self.unused.items()):
             lines.append(f"unused: {k} x{v:,}")
         if self.defaulted:
@@ -125,6 +125,7 @@ def plan_load(ckpt: str | Path, infos: dict[str, TensorInfo], qc: dict, files: l
     report = LoadReport(str(ckpt), len(files), len(infos), quantization=qc,
                         disk_bytes=sum(i.nbytes for i in infos.values()))
     entries, missing, malformed, defaulted = [], [], [], []
+    vision = any(n.startswith(L.VISION_PREFIXES) for n in expected)
     for name, shape in expected.items():
         if name not in infos:
             (defaulted if L.optional(name) else missing).append(name)
@@ -136,17 +137,17 @@ def plan_load(ckpt: str | Path, infos: dict[str, TensorInfo], qc: dict, files: l
         entries.append(e)
         report.loaded[e.fmt] = report.loaded.get(e.fmt, 0) + 1
         kind = L.unused_kind(name)
-        if kind:
+        if kind and not vision:
             report.unused[kind] = report.unused.get(kind, 0) + 1
+        kind = L.component_kind(name)
+        if kind:
+            report.components[kind] = report.components.get(kind, 0) + 1
     used_scales = {e.scale.name for e in entries if e.scale is not None}
     unexpected = []
     for name in infos:
         if name in expected or name in used_scales:
             continue
-        kind = L.skipped_kind(name)
-        if kind:
-            report.skipped[kind] = report.skipped.get(kind, 0) + 1
-        elif not (L.is_scale(name) and L.weight_of_scale(name) in expected):   # counted as malformed
+        if not (L.is_scale(name) and L.weight_of_scale(name) in expected):      # else counted as malformed
             unexpected.append(name)
     report.defaulted = defaulted
     if missing or unexpected or malformed:

@@ -143,3 +143,15 @@ def engram_token_map(cfg, tokenizer) -> list[int]:
             f"has {n} compressed ids but the config says {bound}; the hash multipliers are "
             f"derived from it, so it must be at least {n}")
     return ids
+
+
+def set_token_map(model, tokenizer) -> None:
+    """Set a model's Engram compressed ids (its `engram_token_map` buffer) from its tokenizer: the
+    map its config names (`engram_token_map`: "v41", or "legacy-v0" for checkpoints trained with
+    it), size-checked (`engram_token_map`). Ids beyond the tokenizer's vocabulary keep the default
+    map. Every load path calls it (`cedlm.checkpoint.load_model`, `cedlm.official.load_official_model`)."""
+    if not hasattr(model, "engram_token_map") or not model.cfg.engram_layer_ids:
+        return                                               # decoder-only baseline / no Engram layers
+    ids = engram_token_map(model.cfg, tokenizer)
+    buf = model.engram_token_map
+    buf[: len(ids)] = buf.new_tensor(ids)
