@@ -20,12 +20,12 @@ the engine thread; the samples of one request (``n`` / ``best_of``) share them.
 
 ``Grammars`` (one per server) owns the llguidance tokenizer, built from the served HF
 ``tokenizers`` tokenizer on first use, and compiles request grammars (JSON schema, regex, Lark,
-choice), reporting an invalid one as a ``GrammarError`` that the handler turns into a 400.
-JSON output is compact (no free whitespace): a weak model cannot pad it forever.
+choice): bounds first (``grammar_limits``), then in a compiler process (``grammar_pool``,
+``grammar_compile``), reporting an invalid one as a ``GrammarError`` that the handler turns into
+a 400. JSON output is compact (no free whitespace): a weak model cannot pad it forever.
 """
 from __future__ import annotations
 
-import json
 import math
 import threading
 from typing import Any
@@ -33,29 +33,26 @@ from typing import Any
 import numpy as np
 import torch
 
-try:                                    # a pinned dependency; a clear 400 if it is missing
-    import llguidance
-except ImportError:                     # pragma: no cover - reported when a grammar is requested
-    llguidance = None
+from cedlm.server.grammar_compile import GrammarError, clean_message, llguidance
+from cedlm.server.grammar_limits import GrammarLimit, check_constraint
+from cedlm.server.grammar_pool import GrammarPool
 
-JSON_OPTIONS = {"whitespace_flexible": False}
+__all__ = ["GrammarError", "Grammars", "GrammarProcessor", "MinTokensProcessor", "MinPProcessor"]
+
 NEG_INF = float("-inf")
 
 
-class GrammarError(ValueError):
-    """An invalid grammar or schema in a request (the handler answers 400 naming ``param``)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(f"{param}: {message}")
-        self.param = param
-
-
 class Grammars:
-    """Compiles request grammars against the served tokenizer (thread-safe, built lazily)."""
+    """Compiles request constraints against the served tokenizer (thread-safe, built lazily).
+
+    `compile` checks the bounds first (`grammar_limits`: 400 naming the limit) and then compiles
+    in a compiler process (`grammar_pool`: a crash or a runaway costs only that request); the
+    engine's matchers are built here, in the server, from the validated grammar string."""
 
     def __init__(self, tokenizer, vocab_size: int):
         self.tok, self.vocab_size = tokenizer, int(vocab_size)
         self._lltok = None
+        self._pool: GrammarPool | None = None
         self._lock = threading.Lock()
 
     @property
@@ -72,47 +69,39 @@ class Grammars:
                                                      eos_token=self.tok.eos_id)
             return self._lltok
 
-    # ------------------------------------------------------------------ grammar sources
-    def json_schema(self, schema: Any, param: str) -> str:
-        if not isinstance(schema, (dict, bool)):
-            raise GrammarError(param, f"a JSON schema must be an object, got {type(schema).__name__}")
+    def pool(self) -> GrammarPool:
+        with self._lock:
+            if self._pool is None:
+                self._pool = GrammarPool(self.tok.hf.to_str(), self.tok.vocab_size, self.tok.eos_id)
+            return self._pool
+
+    def compile(self, param: str, kind: str, value: Any) -> str:
+        """A validated grammar string for the constraint (kind: json_schema, json_object, regex,
+        choice, grammar); GrammarError (400) when it is invalid, over a bound, crashes the
+        compiler or runs past its time budget. Blocking: call it off the event loop."""
+        if llguidance is None:
+            raise GrammarError(param, "structured output needs the 'llguidance' package (pip install llguidance)")
         try:
-            g = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
-        except Exception as e:           # noqa: BLE001 - llguidance reports schema errors as exceptions
-            raise GrammarError(param, f"invalid JSON schema: {e}") from None
-        return self._checked(g, param, "JSON schema")
+            check_constraint(param, kind, value)
+        except GrammarLimit as e:
+            raise GrammarError(e.param, str(e).split(": ", 1)[-1]) from None
+        return self.pool().compile(param, kind, value)
 
     def regex(self, pattern: str, param: str) -> str:
-        try:
-            g = llguidance.LLMatcher.grammar_from_regex(pattern)
-        except Exception as e:           # noqa: BLE001
-            raise GrammarError(param, f"invalid regex: {e}") from None
-        return self._checked(g, param, "regex")
+        return self.compile(param, "regex", pattern)
 
-    def lark(self, grammar: str, param: str) -> str:
-        try:
-            g = llguidance.grammar_from("grammar", grammar)     # Lark, or GBNF converted to Lark
-        except Exception as e:           # noqa: BLE001
-            raise GrammarError(param, f"invalid grammar: {e}") from None
-        return self._checked(g, param, "grammar")
-
-    def choice(self, options: list[str], param: str) -> str:
-        if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
-            raise GrammarError(param, "must be a non-empty array of strings")
-        return self.lark("start: " + " | ".join(json.dumps(o) for o in options), param)
-
-    def _checked(self, g: str, param: str, what: str) -> str:
-        err = llguidance.LLMatcher.validate_grammar(g, self.lltok())
-        if err and not err.startswith("WARNING"):
-            raise GrammarError(param, f"invalid {what}: {err.strip()}")
-        return g
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
 
     # ------------------------------------------------------------------ processors
     def processor(self, grammar: str, param: str, gate_id: int | None = None) -> "GrammarProcessor":
         lltok = self.lltok()
         m = llguidance.LLMatcher(lltok, grammar, log_level=0)
         if m.is_error():
-            raise GrammarError(param, f"the grammar could not be compiled: {m.get_error()}")
+            raise GrammarError(param, f"the grammar could not be compiled: {clean_message(m.get_error())}")
         return GrammarProcessor(lambda: llguidance.LLMatcher(lltok, grammar, log_level=0), self.vocab_size,
                                 self.tok.eos_id, gate_id)
 

@@ -96,28 +96,16 @@ class ServerState:
                            code="context_length_exceeded")
 
     async def grammar(self, guided: tuple[str, str, Any] | None) -> str | None:
-        """Compile a request's output constraint (param, kind, value) off the event loop; a bad
-        one is a 400 naming param."""
+        """Compile a request's output constraint (param, kind, value) off the event loop, bounds
+        first, in a compiler process (`constrain.Grammars.compile`); a bad one is a 400 naming param."""
         if guided is None:
             return None
         param, kind, value = guided
         if self.grammars is None or not self.grammars.available:
             raise APIError(400, f"{param}: structured output needs a tokenizer and the llguidance package",
                            param=param)
-
-        def build() -> str:
-            g = self.grammars
-            if kind == "json_object":
-                return g.json_schema({"type": "object"}, param)
-            if kind == "json_schema":
-                return g.json_schema(value, param)
-            if kind == "regex":
-                return g.regex(value, param)
-            if kind == "choice":
-                return g.choice(value, param)
-            return g.lark(value, param)
         try:
-            return await run_in_threadpool(build)
+            return await run_in_threadpool(self.grammars.compile, param, kind, value)
         except GrammarError as e:
             raise APIError(400, str(e), param=e.param) from None
 

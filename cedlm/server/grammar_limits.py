@@ -1,0 +1,146 @@
+"""Bounds on a request's output constraint, checked before anything is compiled.
+
+llguidance compiles grammars recursively: a deep enough JSON schema, `$ref` chain or Lark rule
+chain overflows its stack and takes the whole process down (issue 26: a `$defs` chain of 1,000
+nested objects, about 94 KB, segfaulted the server; 700 compiled). A huge `guided_choice` cost
+minutes of CPU. `check_constraint(param, kind, value)` measures the constraint with plain
+iterative Python and raises `GrammarLimit` (a 400 naming the limit) when one is exceeded:
+
+- JSON schema: its serialized size (`MAX_SCHEMA_BYTES`), its depth counted through `$ref`s
+  (`MAX_SCHEMA_DEPTH`: each nested object / array level and each `$ref` hop is one level), and
+  its longest chain of `$ref` hops (`MAX_REF_CHAIN`). A recursive schema (a `$ref` back to a
+  schema on the current path) is fine: the cycle is not unfolded.
+- regex: its length (`MAX_REGEX_CHARS`).
+- Lark / GBNF grammar: its length (`MAX_GRAMMAR_CHARS`) and number of rules (`MAX_GRAMMAR_RULES`).
+- choice: the number of options (`MAX_CHOICES`) and their total length (`MAX_CHOICE_CHARS`).
+
+The limits sit far below the measured crash points (the compiler's subprocess, `grammar_pool`,
+also runs with half the stack of the server's threads) and far above real schemas.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+MAX_SCHEMA_BYTES = 256 << 10
+MAX_SCHEMA_DEPTH = 128
+MAX_REF_CHAIN = 64
+MAX_REGEX_CHARS = 8192
+MAX_GRAMMAR_CHARS = 128 << 10
+MAX_GRAMMAR_RULES = 1000
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 64 << 10
+
+# A rule (or terminal) definition at the start of a line: Lark `name:` / `?name:` / `NAME.2:`,
+# GBNF `name ::=`.
+_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*(?:\.-?\d+)?[ \t]*(?::|::=)", re.MULTILINE)
+
+
+class GrammarLimit(ValueError):
+    """A constraint over one of the bounds (the handler answers 400 naming ``param``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def check_constraint(param: str, kind: str, value: Any) -> None:
+    """Raise GrammarLimit when the constraint (kind: json_schema, json_object, regex, choice,
+    grammar) exceeds a bound; type errors are left to the compiler's own messages."""
+    if kind == "json_schema":
+        check_schema(param, value)
+    elif kind == "regex" and isinstance(value, str) and len(value) > MAX_REGEX_CHARS:
+        raise GrammarLimit(param, f"the regex has {len(value)} characters, more than the limit of "
+                                  f"{MAX_REGEX_CHARS}")
+    elif kind == "grammar" and isinstance(value, str):
+        check_grammar(param, value)
+    elif kind == "choice" and isinstance(value, list):
+        if len(value) > MAX_CHOICES:
+            raise GrammarLimit(param, f"{len(value)} choices, more than the limit of {MAX_CHOICES}")
+        total = sum(len(o) for o in value if isinstance(o, str))
+        if total > MAX_CHOICE_CHARS:
+            raise GrammarLimit(param, f"the choices have {total} characters in all, more than the limit "
+                                      f"of {MAX_CHOICE_CHARS}")
+
+
+def check_grammar(param: str, grammar: str) -> None:
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise GrammarLimit(param, f"the grammar has {len(grammar)} characters, more than the limit of "
+                                  f"{MAX_GRAMMAR_CHARS}")
+    rules = len(_RULE.findall(grammar))
+    if rules > MAX_GRAMMAR_RULES:
+        raise GrammarLimit(param, f"the grammar has {rules} rules, more than the limit of {MAX_GRAMMAR_RULES}")
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """The subschema a local `$ref` ("#", "#/$defs/x", ...) points at; None if it is not local
+    or does not resolve (the compiler reports those)."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def check_schema(param: str, schema: Any) -> None:
+    """Size, depth through `$ref`s and `$ref` chain length of a JSON schema (see module doc)."""
+    size = len(json.dumps(schema))
+    if size > MAX_SCHEMA_BYTES:
+        raise GrammarLimit(param, f"the JSON schema has {size} bytes, more than the limit of {MAX_SCHEMA_BYTES}")
+    # Memoised walk over (node) -> (depth below it, $ref hops below it). The walk is iterative
+    # (an explicit stack), so a deep schema costs no Python recursion. A `$ref` to a node on the
+    # current path is a cycle and counts nothing further.
+    memo: dict[int, tuple[int, int]] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[Any, list, bool]] = [(schema, [], False)]
+    while stack:
+        node, kids, expanded = stack.pop()
+        key = id(node)
+        if not expanded:
+            if key in memo:
+                continue
+            kids = _children(schema, node)
+            on_path.add(key)
+            stack.append((node, kids, True))
+            for child, _hop in kids:
+                if id(child) not in memo and id(child) not in on_path:
+                    stack.append((child, [], False))
+            if len(on_path) > MAX_SCHEMA_DEPTH:
+                raise GrammarLimit(param, f"the JSON schema is nested deeper than {MAX_SCHEMA_DEPTH} levels "
+                                          f"(counting $ref hops)")
+            continue
+        depth = hops = 0
+        for child, hop in kids:
+            d, h = memo.get(id(child), (0, 0))      # absent: a cycle back onto the path
+            depth, hops = max(depth, d + 1), max(hops, h + hop)
+        on_path.discard(key)
+        memo[key] = (depth, hops)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarLimit(param, f"the JSON schema is nested deeper than {MAX_SCHEMA_DEPTH} levels "
+                                      f"(counting $ref hops)")
+        if hops > MAX_REF_CHAIN:
+            raise GrammarLimit(param, f"the JSON schema has a chain of more than {MAX_REF_CHAIN} $ref hops")
+
+
+def _children(root: Any, node: Any) -> list[tuple[Any, int]]:
+    """The containers directly under node, and the target of its `$ref` (hop 1)."""
+    out: list[tuple[Any, int]] = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "$ref" and isinstance(v, str):
+                target = _pointer(root, v)
+                if isinstance(target, (dict, list)):
+                    out.append((target, 1))
+            elif isinstance(v, (dict, list)):
+                out.append((v, 0))
+    elif isinstance(node, list):
+        out.extend((v, 0) for v in node if isinstance(v, (dict, list)))
+    return out

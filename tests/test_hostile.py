@@ -1,0 +1,147 @@
+"""Issue 26: hostile inputs, each sent beside a running bystander stream.
+
+For every item the test asserts that the process lives (the server still answers), that the
+bystander's greedy stream is identical to running it alone, and that the KV blocks return to 0.
+The `tiny` preset is served over loopback (helpers from tests/test_server.py).
+"""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from test_server import MODEL, engine_idle, make_app, serve  # noqa: E402
+
+from cedlm.server import grammar_limits  # noqa: E402
+
+BYSTANDER = {"model": MODEL, "prompt": "The bystander says", "max_tokens": 48, "temperature": 0,
+             "ignore_eos": True, "stream": True}
+
+
+def _stream_text(base: str) -> str:
+    """The bystander's streamed text (greedy, fixed length)."""
+    parts = []
+    with httpx.stream("POST", f"{base}/v1/completions", json=BYSTANDER, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ev = json.loads(line[6:])
+                assert "error" not in ev, ev
+                parts.extend(c["text"] for c in ev["choices"])
+    return "".join(parts)
+
+
+def _post(base, path, body, **kw):
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{base}{path}", content=data, headers={"content-type": "application/json",
+                                                              **kw.pop("headers", {})},
+                      timeout=kw.pop("timeout", 120), **kw)
+
+
+@pytest.fixture(scope="module")
+def hostile_app():
+    app = make_app(max_num_seqs=4)
+    with serve(app) as base:
+        alone = _stream_text(base)
+        yield app, base, alone
+
+
+def beside_bystander(app, base, alone, hostile):
+    """Run hostile() while the bystander streams; returns hostile()'s result after checking that
+    the server lives, the bystander's text equals `alone` and the KV blocks are back at 0."""
+    got: dict = {}
+    th = threading.Thread(target=lambda: got.setdefault("text", _stream_text(base)))
+    th.start()
+    try:
+        result = hostile()
+    finally:
+        th.join(120)
+    assert got.get("text") == alone, "the bystander's stream changed"
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    assert engine_idle(app) == (0, 0, 0, 0)
+    return result
+
+
+def deep_defs(n: int) -> dict:
+    """Issue 26's repro: a $defs chain of n nested objects."""
+    d = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["a"]}
+         for i in range(n)}
+    d[f"d{n}"] = {"type": "integer"}
+    return {"$defs": d, "$ref": "#/$defs/d0"}
+
+
+# =========================================================================== 1. constraint compilation
+
+
+def test_deep_schema_is_400_naming_the_limit_and_the_server_lives(hostile_app):
+    app, base, alone = hostile_app
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_json": deep_defs(1000)}
+    r = beside_bystander(app, base, alone, lambda: _post(base, "/v1/completions", body))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "guided_json" and "nested deeper than" in err["message"]
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("guided_choice", [str(i) for i in range(grammar_limits.MAX_CHOICES + 1)], "choices, more than"),
+    ("guided_choice", ["x" * 40000, "y" * 40000], "characters in all"),
+    ("guided_grammar", "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(1500)) + 'r1500: "a"\n',
+     "rules, more than"),
+    ("guided_regex", "a" * (grammar_limits.MAX_REGEX_CHARS + 1), "more than the limit"),
+])
+def test_constraint_bounds_are_400_before_compiling(hostile_app, field, value, words):
+    app, base, alone = hostile_app
+    r = _post(base, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field and words in r.text, r.text
+
+
+def test_ref_chain_limit():
+    refs = {"$defs": {f"r{i}": {"$ref": f"#/$defs/r{i + 1}"} for i in range(100)}, "$ref": "#/$defs/r0"}
+    refs["$defs"]["r100"] = {"type": "string"}
+    with pytest.raises(grammar_limits.GrammarLimit, match=r"\$ref hops"):
+        grammar_limits.check_schema("guided_json", refs)
+    tree = {"$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array",
+                                                                          "items": {"$ref": "#/$defs/node"}}}}},
+            "$ref": "#/$defs/node"}
+    grammar_limits.check_schema("guided_json", tree)            # recursion is fine: not unfolded
+
+
+def test_a_compiler_crash_costs_only_that_request(hostile_app, monkeypatch):
+    """With the bounds lifted, the 1,000-level repro crashes llguidance (a segfault in this
+    process before issue 26): now only the compiler process dies; the request gets a 400 without
+    internal text, the bystander streams on, and the next constraint compiles."""
+    app, base, alone = hostile_app
+    monkeypatch.setattr(grammar_limits, "MAX_SCHEMA_DEPTH", 10**6)
+    monkeypatch.setattr(grammar_limits, "MAX_REF_CHAIN", 10**6)
+    pool = app.state.server.grammars.pool()
+    crashed = pool.counters["crashed"]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_json": deep_defs(1000)}
+    r = beside_bystander(app, base, alone, lambda: _post(base, "/v1/completions", body))
+    assert r.status_code == 400, r.text
+    assert "compiler failed" in r.json()["error"]["message"]
+    assert pool.counters["crashed"] == crashed + 1
+    ok = _post(base, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_regex": "ab"})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "ab"
+
+
+def test_a_runaway_compilation_is_cut_at_the_time_budget(hostile_app, monkeypatch):
+    app, base, alone = hostile_app
+    pool = app.state.server.grammars.pool()
+    monkeypatch.setattr(pool, "timeout", 0.001)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_choice": [f"option {i}" for i in range(1000)]}
+    r = beside_bystander(app, base, alone, lambda: _post(base, "/v1/completions", body))
+    assert r.status_code == 400 and "took longer than the limit" in r.json()["error"]["message"], r.text
+    monkeypatch.undo()
+    ok = _post(base, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_regex": "ab"})
+    assert ok.status_code == 200
+
+
+def test_grammar_error_messages_carry_no_internal_text():
+    from cedlm.server.grammar_compile import clean_message
+    assert clean_message("thread '<unnamed>' panicked at src/lib.rs:12:5:\nboom") == "the compiler could not process it"
+    assert clean_message("expected ':'\nat line 3") == "expected ':'"
