@@ -145,3 +145,42 @@ def test_grammar_error_messages_carry_no_internal_text():
     from cedlm.server.grammar_compile import clean_message
     assert clean_message("thread '<unnamed>' panicked at src/lib.rs:12:5:\nboom") == "the compiler could not process it"
     assert clean_message("expected ':'\nat line 3") == "expected ':'"
+
+
+# =========================================================================== 2. prompt scoring memory
+
+
+def test_prompt_scoring_runs_the_decoder_chunk_by_chunk_with_the_same_logprobs():
+    """The engine scores a prompt a chunk of decoder rows at a time (memory linear in the prompt,
+    RELIABILITY.md has the figures); the logprobs, ranks and top-k equal the one-shot pass's
+    (every prompt row through the decoder at once, the path before issue 26), and so do the
+    tokens generated after it."""
+    import torch
+
+    from cedlm.engine.llm import LLM
+    from cedlm.engine.prompt_scoring import prompt_logprobs
+    from cedlm.engine.sampling_params import SamplingParams
+    llm = LLM("tiny", num_threads=1, prefill_chunk=64)
+    m = llm.engine.model
+    ids = torch.randint(5, 500, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref = prompt_logprobs(m.prefill(ids, m.new_state(), "full", chunk_size=64), ids, 5)
+    rows = []
+    orig = m.decoder_pass
+
+    def spy(x, *a, **kw):
+        rows.append(x.shape[1])
+        return orig(x, *a, **kw)
+    m.decoder_pass = spy
+    try:
+        out = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=5))[0]
+    finally:
+        m.decoder_pass = orig
+    assert max(rows) <= 64                            # never every prompt row at once
+    got = out.prompt_logprobs
+    assert len(got) == len(ref) == 300 and got[0] is None
+    for a, b in zip(ref[1:], got[1:]):
+        assert a.token_id == b.token_id and a.rank == b.rank and a.top_ids == b.top_ids
+        assert abs(a.logprob - b.logprob) < 1e-4
+        assert max(abs(u - v) for u, v in zip(a.top_logprobs, b.top_logprobs)) < 1e-4
+    plain = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids

@@ -12,8 +12,9 @@ blocks through the manager, which publishes full blocks to the prefix cache and 
 rebuilt by replay after a prefix hit (never stored).
 
 Prompt scoring (`SamplingParams.prompt_logprobs`): such a request is admitted without prefix-cached
-blocks and prefilled in mode `full`, so that every prompt row runs the decoder; `prompt_logprobs`
-turns those rows into the request's `prompt_logprobs`. Several samples of one prompt (`n`,
+blocks and prefilled in mode `full`, so that every prompt row runs the decoder, chunk by chunk;
+a `PromptScorer` turns each chunk's rows into the request's `prompt_logprobs` as they run
+(memory linear in the prompt). Several samples of one prompt (`n`,
 `best_of`; `add_samples`): the first is prefilled, the others then start from a copy of its state
 (`_fork`: full blocks shared, the partial block copied, window rings cloned).
 """
@@ -31,7 +32,7 @@ from cedlm.cache.prefix import model_fingerprint
 from cedlm.engine.args import EngineConfig
 from cedlm.engine.images import expand as expand_images, span_embeds as image_span_embeds
 from cedlm.engine.output import RequestTimes, StepOutput
-from cedlm.engine.prompt_scoring import prompt_logprobs
+from cedlm.engine.prompt_scoring import PromptScorer
 from cedlm.engine.request import Request
 from cedlm.engine.runtime import SequenceRuntime
 from cedlm.engine.sampler import Sampler, make_generator
@@ -255,9 +256,14 @@ class Engine:
             todo = req.all_ids[req.num_computed_tokens:]
             # prompt scoring: every prompt row runs the decoder (the scheduler gave it no
             # prefix-cached blocks, so todo is the whole prompt)
+            # prompt scoring: the decoder runs chunk by chunk and each chunk's logits are scored
+            # as it goes (memory linear in the prompt, prompt_scoring.PromptScorer)
             mode = "full" if req.needs_prompt_logprobs else self.cfg.prefill_mode
             self.counters["decoder_prefill_tokens"] += self.model.decoder_rows(len(todo), mode)
-            run.prefill = self.model.start_prefill(todo, run.state, mode, chunk_size=self.cfg.prefill_chunk)
+            run.scorer = (PromptScorer(req.prompt_ids, req.params.prompt_logprobs)
+                          if req.needs_prompt_logprobs else None)
+            run.prefill = self.model.start_prefill(todo, run.state, mode, chunk_size=self.cfg.prefill_chunk,
+                                                   on_rows=run.scorer.add if run.scorer else None)
         self.counters["encoder_tokens"] += n
         # the count grows only after the chunk ran: a failure mid-chunk never publishes
         # half-written blocks to the prefix cache.
@@ -266,8 +272,7 @@ class Engine:
         if not done:
             return
         if req.needs_prompt_logprobs:
-            req.prompt_logprobs = prompt_logprobs(run.prefill.logits, req.prompt_ids,
-                                                  req.params.prompt_logprobs)
+            req.prompt_logprobs, run.scorer = run.scorer.result(), None
         logits = run.prefill.logits[-1:]
         run.prefill = None
         self.scheduler.prefill_done(req)

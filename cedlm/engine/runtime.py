@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from cedlm.engine.prompt_scoring import PromptScorer
     from cedlm.engine.request import Request
     from cedlm.engine.stop import StopChecker
     from cedlm.model.dspark import DraftState
@@ -29,6 +30,7 @@ class SequenceRuntime:
     detok: StreamDecoder | None
     state: SequenceState | None = None          # the model's per-sequence caches (None: not admitted)
     prefill: PrefillRun | None = None           # the prompt's prefill in progress
+    scorer: PromptScorer | None = None          # prompt scoring of that prefill (prompt_logprobs)
     draft: DraftState | None = None             # the DSpark drafter's context (speculator-written)
     forks: list[Request] = field(default_factory=list)   # samples waiting to start from this prefill
     first_token_time: float | None = None
@@ -45,4 +47,4 @@ class SequenceRuntime:
 
     def reset(self) -> None:
         """The KV went away (preempted / finished): drop everything built on it."""
-        self.state = self.prefill = self.draft = None
+        self.state = self.prefill = self.draft = self.scorer = None

@@ -182,9 +182,10 @@ class CEDModel(nn.Module):
         return replay_.replay_tokens(self.cfg, mode)
 
     def start_prefill(self, input_ids, state: SequenceState, mode: str = "full",
-                      chunk_size: int | None = None) -> PrefillRun:
-        """A chunked prefill to drive step by step (see `replay.PrefillRun`)."""
-        return PrefillRun(self, input_ids, state, mode, chunk_size)
+                      chunk_size: int | None = None, on_rows=None) -> PrefillRun:
+        """A chunked prefill to drive step by step (see `replay.PrefillRun`; on_rows: prompt
+        scoring, the logits of each chunk's rows as it runs)."""
+        return PrefillRun(self, input_ids, state, mode, chunk_size, on_rows)
 
     def prefill(self, input_ids, state: SequenceState, mode: str = "full",
                 chunk_size: int | None = None) -> torch.Tensor:

@@ -46,10 +46,18 @@ def replay_tokens(cfg: ModelConfig, mode: str) -> int:
 class PrefillRun:
     """A prompt appended to one sequence, one encoder chunk per `step()`, so that a scheduler can
     interleave a long prompt with other work. After the last chunk the decoder runs over the
-    trailing rows and `logits` ([M, vocab], the last row predicts the next token) is set."""
+    trailing rows and `logits` ([M, vocab], the last row predicts the next token) is set.
+
+    Prompt scoring (`on_rows`, mode `full` only): every chunk runs the encoder and then the
+    decoder over its own rows, as a decode step of several tokens does (a fresh cache per chunk:
+    the window rows before the chunk come from the rings). `on_rows(logits [T, vocab], first)` gets
+    each chunk's logits (rows first .. first + T - 1 of the prompt) and `logits` keeps only the
+    last row [1, vocab]. Memory is then linear in the prompt (the one-shot decoder pass attends
+    from every row to every row of its stash: quadratic); the logits equal the one-shot pass's
+    up to float rounding (other matrix shapes)."""
 
     def __init__(self, model, input_ids, state: SequenceState, mode: str = "full",
-                 chunk_size: int | None = None):
+                 chunk_size: int | None = None, on_rows=None):
         ids = torch.as_tensor(input_ids, dtype=torch.int64).flatten()
         if ids.numel() == 0:
             raise ValueError("input_ids: empty prompt")
@@ -65,6 +73,10 @@ class PrefillRun:
         self.xs: list[torch.Tensor] = []
         self.pres: list[torch.Tensor] = []
         self.logits: torch.Tensor | None = None
+        if on_rows is not None and self.M != self.S:
+            raise ValueError(f"on_rows: prompt scoring needs every row through the decoder (mode 'full'), "
+                             f"got mode {mode!r}")
+        self.on_rows = on_rows
 
     @property
     def done(self) -> bool:
@@ -83,6 +95,8 @@ class PrefillRun:
         T = part.shape[1]
         pos = torch.arange(st.num_tokens, st.num_tokens + T)[None]
         st.token_ids.extend(part[0].tolist())
+        if self.on_rows is not None:
+            return self._scored_step(part, pos)
         x, pre = self.model.encoder_pass(part, pos, self.cache, images=[st.images])
         st.num_tokens += T
         self.done_tokens = c0 + T
@@ -95,6 +109,20 @@ class PrefillRun:
         self.logits = self.model.decoder_pass(torch.cat(self.xs, 1), torch.cat(self.pres, 1),
                                               pos, self.cache, ids=self.ids[self.S - self.M:][None])[0]
         self.xs, self.pres = [], []
+        return True
+
+    def _scored_step(self, part: torch.Tensor, pos: torch.Tensor) -> bool:
+        """One chunk through the encoder and the decoder (prompt scoring, see the class doc)."""
+        st, c0, T = self.state, self.done_tokens, part.shape[1]
+        cache = ByteKVCache(self.model.kv_layout, [st], keep_stash_from=int(pos[0, 0]))
+        x, pre = self.model.encoder_pass(part, pos, cache, images=[st.images])
+        st.num_tokens += T
+        self.done_tokens = c0 + T
+        logits = self.model.decoder_pass(x, pre, pos, cache, ids=part)[0]
+        self.on_rows(logits, c0)
+        if self.done_tokens < self.S:
+            return False
+        self.logits = logits[-1:]
         return True
 
     def run(self) -> torch.Tensor:
