@@ -276,7 +276,7 @@ def test_engram_tables_memory_mapped(tiny_official, tmp_path, tok):
     assert torch.equal(_logits(model), _logits(_reference(cfg, deq, tok)))
     # A model with memory-mapped tables exports them too.
     from cedlm.official import export_official
-    export_official(model, tmp_path / "re", tok)
+    export_official(model, tmp_path / "re", tok, allow_cedlm_fields=True)    # the preset's float64 RoPE
     again, _ = load_model(tmp_path / "re")
     assert torch.equal(again.layers[1].engram.embed.weight,
                        torch.tensor(model.layers[1].engram.host_table[:]))
@@ -430,7 +430,7 @@ def test_export_round_trip(tmp_path, tok, capsys):
     cfg = ModelConfig.preset("tiny")
     model = _model(cfg, seed=3)
     set_token_map(model, tok)
-    rep = export_official(model, tmp_path / "out", tok, shard_bytes=150_000)
+    rep = export_official(model, tmp_path / "out", tok, shard_bytes=150_000, allow_cedlm_fields=True)
     assert rep.shards > 1
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert "model.safetensors.index.json" in files and "config.json" in files
@@ -478,7 +478,7 @@ def test_export_round_trip(tmp_path, tok, capsys):
     assert rep.errors["f32"]["max_abs"] == 0 and rep.errors["fp8_block"]["rel_rms"] < 0.05
     assert rep.errors["fp4_expert"]["rel_rms"] < 0.2
     # Exporting the loaded model again changes nothing: quantisation is idempotent.
-    export_official(loaded, tmp_path / "again", tok)
+    export_official(loaded, tmp_path / "again", tok, allow_cedlm_fields=True)
     again, _ = load_model(tmp_path / "again")
     assert torch.equal(_logits(again), b)
 
@@ -487,11 +487,35 @@ def test_cli_export_official(tmp_path, tok):
     from cedlm.cli import main
     src = save_checkpoint(tmp_path / "run" / "checkpoint", _model(ModelConfig.preset("tiny")), tok)
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "off"), "--format", "official",
-                 "--shard-size", "200K"]) == 0
+                 "--shard-size", "200K", "--allow-cedlm-fields"]) == 0
     a, _ = load_model(src)
     b, _ = load_model(tmp_path / "off")
     assert len(list((tmp_path / "off").glob("model-*-of-*.safetensors"))) >= 2
     assert (_logits(a) - _logits(b)).norm() / _logits(a).norm() < 0.2
+
+
+def test_export_refuses_what_an_official_engine_reads_differently(tmp_path, tok, capsys):
+    """The Engram map, the RoPE precision and the tokenizer live where an engine following the
+    official config reads them the same, or the export is a one-line error saying what would
+    change; --allow-cedlm-fields exports anyway."""
+    from cedlm.cli import main
+    cfg = ModelConfig.preset("tiny").replace(engram_token_map="legacy-v0", rope_precision="float64",
+                                             eos_token_id=7)
+    model = _model(cfg)
+    set_token_map(model, tok)
+    save_checkpoint(tmp_path / "ck", model, tok)
+    assert main(["export", str(tmp_path / "ck"), str(tmp_path / "off"), "--format", "official"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and not (tmp_path / "off").exists()
+    assert "Engram token map 'legacy-v0'" in err and "token ids would hash with another" in err
+    assert "RoPE precision 'float64'" in err and "float32" in err
+    assert "its eos is id 1, config.json says 7" in err and "--allow-cedlm-fields" in err
+    assert main(["export", str(tmp_path / "ck"), str(tmp_path / "off"), "--format", "official",
+                 "--allow-cedlm-fields"]) == 0
+    assert load_model(tmp_path / "off")[0].cfg.engram_token_map == "legacy-v0"   # cedlm reads it back
+    official = ModelConfig.preset("tiny").replace(rope_precision="float32")
+    save_checkpoint(tmp_path / "ok", _model(official), tok)
+    assert main(["export", str(tmp_path / "ok"), str(tmp_path / "off2"), "--format", "official"]) == 0
 
 
 def test_export_rejects_the_decoder_only_baseline(tmp_path):

@@ -38,7 +38,8 @@ def tok():
 
 @pytest.fixture(scope="module")
 def original(tok):
-    cfg = with_vision(ModelConfig.preset("tiny"), VC, IMG)
+    # the official RoPE precision: an export an official engine reads the same (no override)
+    cfg = with_vision(ModelConfig.preset("tiny").replace(rope_precision="float32"), VC, IMG)
     torch.manual_seed(0)
     m = CEDModel(cfg, dspark=True).eval()
     with torch.no_grad():

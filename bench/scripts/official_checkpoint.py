@@ -203,7 +203,7 @@ def main() -> int:
     official = work / "small-official"
     t = time.perf_counter()
     subprocess.run([sys.executable, "-m", "cedlm.train.export", str(SRC), str(official),
-                    "--format", "official"], check=True, cwd=ROOT)
+                    "--format", "official", "--allow-cedlm-fields"], check=True, cwd=ROOT)
     res = {"export_s": time.perf_counter() - t,
            "disk_bf16": sum(p.stat().st_size for p in SRC.glob("*.safetensors")),
            "disk_official": sum(p.stat().st_size for p in official.glob("*.safetensors"))}

@@ -160,14 +160,29 @@ def _shards(sizes: dict[str, int], shard_bytes: int) -> list[list[str]]:
     return shards
 
 
+class NotOfficialError(ValueError):
+    """An engine following the official config would read the model differently (one line)."""
+
+
 def export_official(model: CEDModel, dst: str | Path, tokenizer=None, *,
                     shard_bytes: int = DEFAULT_SHARD_BYTES, block: int = BLOCK,
-                    extra_files: dict[str, str] | None = None) -> ExportReport:
+                    extra_files: dict[str, str] | None = None,
+                    allow_cedlm_fields: bool = False) -> ExportReport:
     """Write `model` (and `tokenizer`) to DST in the official layout; returns the report.
-    `extra_files` ({name: text}, e.g. `cedlm.train.model_card.model_files`) are written with it."""
+    `extra_files` ({name: text}, e.g. `cedlm.train.model_card.model_files`) are written with it.
+    A model that an engine following the official config would read differently (its Engram
+    map, RoPE precision or tokenizer: `cedlm.official.compat`) is refused with `NotOfficialError`
+    naming each difference, unless `allow_cedlm_fields` (cedlm itself reads its own block of
+    config.json back)."""
+    from cedlm.official.compat import official_differences
     if not isinstance(model, CEDModel) or model.cfg.family != "ced":
         raise ValueError("export: the official layout holds the V4.1 CED model "
                          f"(got {type(model).__name__}, family {model.cfg.family!r})")
+    diffs = official_differences(model.cfg, tokenizer)
+    if diffs and not allow_cedlm_fields:
+        raise NotOfficialError("export: an engine following the official config would read this model "
+                               "differently: " + "; ".join(diffs)
+                               + " (--allow-cedlm-fields / allow_cedlm_fields=True exports it anyway)")
     dst = Path(dst)
     tensors = _tensors(model)
     sizes = {n: stored_bytes(n, tuple(t.shape), block) for n, t in tensors.items()}
@@ -204,4 +219,4 @@ def export_official(model: CEDModel, dst: str | Path, tokenizer=None, *,
 
 
 __all__ = ["export_official", "official_config", "stored_bytes", "ExportReport",
-           "DEFAULT_SHARD_BYTES"]
+           "DEFAULT_SHARD_BYTES", "NotOfficialError"]

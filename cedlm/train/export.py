@@ -97,13 +97,20 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "quantised, sharded layout")
     p.add_argument("--shard-size", type=_size, default=None, metavar="BYTES",
                    help="official format: largest shard (default 5G)")
+    p.add_argument("--allow-cedlm-fields", action="store_true",
+                   help="official format: export even when an engine following the official config "
+                        "would read the model differently (Engram map, RoPE precision, tokenizer: "
+                        "refused by default, the error says what would change)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.allow_cedlm_fields and args.format != "official":
+        print("error: --allow-cedlm-fields: only with --format official", file=sys.stderr)
+        return 2
     if args.format == "official":
         from cedlm.official import export_official
-        from cedlm.official.export import DEFAULT_SHARD_BYTES
+        from cedlm.official.export import DEFAULT_SHARD_BYTES, NotOfficialError
         ckpt = resolve_checkpoint(args.src)
         model, tok = load_model(ckpt)
         summary, training_args = run_metadata(ckpt)
@@ -111,8 +118,12 @@ def run(args) -> int:
         for name, meta in (("training_args.json", training_args), ("summary.json", summary)):
             if meta:
                 extra[name] = json.dumps(meta, indent=2) + "\n"
-        rep = export_official(model, args.dst, tok, shard_bytes=args.shard_size or DEFAULT_SHARD_BYTES,
-                              extra_files=extra)
+        try:
+            rep = export_official(model, args.dst, tok, shard_bytes=args.shard_size or DEFAULT_SHARD_BYTES,
+                                  extra_files=extra, allow_cedlm_fields=args.allow_cedlm_fields)
+        except NotOfficialError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print(rep.summary())
     else:
         print(export_model(args.src, args.dst))
