@@ -16,7 +16,7 @@ blocks and prefilled in mode `full`, so that every prompt row runs the decoder, 
 a `PromptScorer` turns each chunk's rows into the request's `prompt_logprobs` as they run
 (memory linear in the prompt). Several samples of one prompt (`n`,
 `best_of`; `add_samples`): the first is prefilled, the others then start from a copy of its state
-(`_fork`: full blocks shared, the partial block copied, window rings cloned).
+(`_fork`: full blocks shared, the partial block copied, window rings and the drafter's context cloned).
 """
 from __future__ import annotations
 
@@ -236,14 +236,17 @@ class Engine:
         self.scheduler.finish(r)
         run.reset()
 
-    def _new_state(self, req: Request) -> SequenceState:
-        st = self.model.new_state(rows=self.kv.rows(req))
+    def _new_state(self, req: Request, run: SequenceRuntime) -> SequenceState:
+        st = run.state = self.model.new_state(rows=self.kv.rows(req))
         if req.images:
             st.images = image_span_embeds(self.model, req.images)
         hit = req.num_cached_tokens
         if hit:
             st.adopt_prefix(req.all_ids[:hit])            # entries are in the adopted blocks
-            self.model.replay(st, self.cfg.replay_mode)   # rebuild the windows
+            if self.speculator is None:
+                self.model.replay(st, self.cfg.replay_mode)   # rebuild the windows
+            else:                                         # ... and the drafter's context rows
+                self.speculator.replay(run, self.cfg.replay_mode)
             self.counters["replay_tokens"] += min(hit, self.model.replay_tokens(self.cfg.replay_mode))
         return st
 
@@ -252,7 +255,7 @@ class Engine:
         the first token (and the group's other samples start from this prefill)."""
         run = self._touch(req)
         if run.prefill is None:
-            run.state = self._new_state(req)
+            self._new_state(req, run)
             todo = req.all_ids[req.num_computed_tokens:]
             # prompt scoring: every prompt row runs the decoder (the scheduler gave it no
             # prefix-cached blocks, so todo is the whole prompt)
@@ -310,7 +313,10 @@ class Engine:
         st = self.model.new_state(rows=self.kv.rows(dst))
         st.adopt_prefix(self.runs[src.request_id].state.token_ids[:P])
         st.copy_windows_from(self.runs[src.request_id].state)
-        self._touch(dst).state = st
+        run = self._touch(dst)
+        run.state = st
+        src_draft = self.runs[src.request_id].draft      # the drafter's context rows, the same
+        run.draft = None if src_draft is None else src_draft.clone()
         return True
 
     # ---------------------------------------------------------------- decoding

@@ -172,17 +172,32 @@ class DSparkSpeculator:
             if n[b]:
                 st.write([r[b, : n[b]] for r in rows], pos[b, : n[b]])
 
+    def _write_rows(self, run, taps) -> None:
+        """Context rows for the last taps.shape[1] positions of run's state (taps [1, T, ...])."""
+        if run.draft is None:
+            run.draft = self.new_draft_state()
+        if taps is not None:
+            T = taps.shape[1]
+            self.write_context([run.draft], taps, [run.state.num_tokens - T], [T])
+
     def prefill_step(self, run, num_tokens: int) -> bool:
         """One prefill chunk of run's `PrefillRun` (`num_tokens`, the scheduler's chunk); when the
-        prompt is done, the drafter's context from its last rows goes into `run.draft`."""
+        prompt is done, the drafter's context from its last rows goes into `run.draft` (after
+        the rows `replay` wrote for a prefix-cache hit)."""
         with capture(self.model, taps=True) as cap:
             done = run.prefill.step(num_tokens)
         if done:
-            run.draft = self.new_draft_state()
-            if cap.taps is not None:
-                T = cap.taps.shape[1]
-                self.write_context([run.draft], cap.taps, [run.state.num_tokens - T], [T])
+            self._write_rows(run, cap.taps)
         return done
+
+    def replay(self, run, mode: str) -> None:
+        """A prefix-cache hit: rebuild the windows of run's restored state (`model.replay`) and,
+        from the same pass, the drafter's context rows of the replayed positions (the last
+        `sliding_window` of them stay), as a full prefill would have left them."""
+        with capture(self.model, taps=True) as cap:
+            self.model.replay(run.state, mode)
+        run.draft = None
+        self._write_rows(run, cap.taps)
 
     # ---------------------------------------------------------------- propose
     def draft(self, reqs, runs, anchors: torch.Tensor, P: torch.Tensor):

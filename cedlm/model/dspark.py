@@ -220,6 +220,14 @@ class DraftState:
             self.window_pos[s][slots] = pos
         self.num_ctx = int(pos[-1]) + 1
 
+    def clone(self) -> "DraftState":
+        """A copy (a forked sample starts from its source's context rows)."""
+        out = DraftState.__new__(DraftState)
+        out.layout, out.num_ctx = self.layout, self.num_ctx
+        out.window = [w.clone() for w in self.window]
+        out.window_pos = [p.clone() for p in self.window_pos]
+        return out
+
     def keys(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         return decode(self.window[s], self.layout.window_fmt, self.layout.window_dim), self.window_pos[s]
 
