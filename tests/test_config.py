@@ -235,3 +235,13 @@ def test_rope_parameters_errors(params, extra):
     d["text_config"].update(extra)
     with pytest.raises(ConfigError, match="^rope_parameters"):
         ModelConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("field", ["main_kv_format", "window_kv_format", "index_kv_format"])
+def test_kv_format_none_is_refused_by_name(field):
+    """'none' has no byte layout (the model raised on it deep inside the cache): config
+    validation refuses it, naming the field and the alternative."""
+    with pytest.raises(ConfigError, match=rf"{field}: 'none' is not a KV storage format.*bf16"):
+        ModelConfig.preset("tiny").replace(**{field: "none"})
+    with pytest.raises(ConfigError, match=rf"{field}: unknown 'fp3'"):
+        ModelConfig.preset("tiny").replace(**{field: "fp3"})

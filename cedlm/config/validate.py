@@ -140,6 +140,15 @@ def validate(cfg: "ModelConfig") -> None:
         if fmt in FORMATS and dim % FORMATS[fmt].block != 0:
             raise ConfigError(f"{fld}: {dim} is not a multiple of the {fmt} scale block "
                               f"({FORMATS[fmt].block})")
-    need(cfg.main_kv_format in ("kv_fp4", "v4_fp8", "window_fp8", "bf16", "none"),
-         "main_kv_format", f"unknown {cfg.main_kv_format!r}")
+    # Every cache row is stored as bytes in one of these formats; there is no unquantised
+    # "none" layout (the caches, the compressor and the byte layout all need a format).
+    for fld in ("main_kv_format", "window_kv_format", "index_kv_format"):
+        need(getattr(cfg, fld) != "none", fld,
+             "'none' is not a KV storage format (the caches store bytes); use 'bf16' for "
+             "unquantised entries")
+    need(cfg.main_kv_format in ("kv_fp4", "v4_fp8", "window_fp8", "bf16"),
+         "main_kv_format", f"unknown {cfg.main_kv_format!r} (expected kv_fp4, v4_fp8, window_fp8 or bf16)")
+    for fld in ("window_kv_format", "index_kv_format"):
+        need(getattr(cfg, fld) in FORMATS, fld,
+             f"unknown {getattr(cfg, fld)!r} (expected one of {sorted(FORMATS)})")
 
