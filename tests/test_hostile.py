@@ -184,3 +184,38 @@ def test_prompt_scoring_runs_the_decoder_chunk_by_chunk_with_the_same_logprobs()
         assert max(abs(u - v) for u, v in zip(a.top_logprobs, b.top_logprobs)) < 1e-4
     plain = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+# =========================================================================== 3. tokenisation
+
+
+def test_a_text_that_cannot_fit_is_refused_before_tokenizing(hostile_app, monkeypatch):
+    """The character budget is max_token_chars x the prompt limit (a token covers at most that
+    many characters), not 4x it: a text above it is a 400 without any tokenizing."""
+    app, base, alone = hostile_app
+    srv = app.state.server
+    budget = srv.max_token_chars * srv.max_prompt_tokens
+    calls = []
+    orig = srv.tok.encode_plain
+    monkeypatch.setattr(srv.tok, "encode_plain", lambda t: calls.append(len(t)) or orig(t))
+    text = "word " * (budget // 5 + 10)
+    r = beside_bystander(app, base, alone, lambda: _post(base, "/v1/completions",
+                                                         {"model": MODEL, "prompt": text, "max_tokens": 1}))
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+    assert [n for n in calls if n > 1000] == []                     # the bystander's prompt is short
+
+
+def test_long_text_is_encoded_in_pieces_with_the_same_ids(tok):
+    """A long text goes through the batch API (which releases the GIL) in pieces cut at
+    pre-token boundaries; the ids equal one whole encode."""
+    import random
+    r = random.Random(0)
+    words = ["hello", "world", "The", "é", "naïve", "123456", "a1b2", "  ", "\n", "\n\n", "don't", "...", "x",
+             "日本語", "👍", "\t", "--", "ab_cd", "Zürich", "<｜User｜>", "I", "a"]
+    text = "".join(r.choice(words) + r.choice([" ", "", " ", ", "]) for _ in range(40000))
+    pieces = tok.split_pieces(text)
+    assert len(pieces) > 3 and "".join(pieces) == text
+    from cedlm.text.tokenizer import _tk
+    plain = _tk().Tokenizer(tok.hf.model)
+    plain.normalizer, plain.pre_tokenizer = tok.hf.normalizer, tok.hf.pre_tokenizer
+    assert tok.encode_plain(text) == plain.encode(text, add_special_tokens=False).ids

@@ -134,7 +134,8 @@ async def completions(body: CompletionRequest, raw: Request):
     if texts:
         if srv.tok is None:
             raise APIError(400, "prompt: this model has no tokenizer; send token ids", param="prompt")
-        srv.check_chars(sum(len(t) for t in texts), "prompt")
+        for t in texts:
+            srv.check_chars(len(t), "prompt")
     tok = srv.tok
     bos = body.add_special_tokens
 

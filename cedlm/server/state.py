@@ -5,8 +5,12 @@ renders token ids for logprobs. Engine sizes are read once, through `engine.max_
 `engine.snapshot()`; handlers never touch the engine otherwise (the worker thread owns it).
 
 Tokenization runs in a worker thread (`tokenize`), never on the event loop, and a text that
-cannot fit the prompt limit is refused before it is tokenized: a plain token covers at most
-`max_token_chars` characters, so a text longer than 4 x that x the limit cannot fit.
+cannot fit the prompt limit is refused before it is tokenized: a token covers at most
+`max_token_chars` characters (its byte-level string has one character per byte of the text, and
+a character is at least one byte), so a text longer than that x the limit cannot fit (for the
+official vocabulary and a 65,536-token limit, about 2M characters: far below what the 8 MiB body
+limit lets in). A long text is encoded in pieces through the tokenizer's batch API
+(`Tokenizer.encode_plain`), which releases the GIL, so the event loop runs in between.
 
 `params` maps a request onto `SamplingParams`: n, best_of, the presence / frequency /
 repetition penalties, logit_bias, allowed_token_ids and prompt_logprobs go to the engine's own
@@ -76,7 +80,7 @@ class ServerState:
 
     def check_chars(self, n_chars: int, param: str) -> None:
         """Refuse, before tokenizing, a text too long to fit the prompt limit in any case."""
-        if self.max_token_chars and n_chars > 4 * self.max_token_chars * self.max_prompt_tokens:
+        if self.max_token_chars and n_chars > self.max_token_chars * self.max_prompt_tokens:
             raise APIError(400, f"{param}: the prompt has {n_chars} characters, far more than the prompt "
                                 f"limit of {self.max_prompt_tokens} tokens can hold", param=param,
                            code="context_length_exceeded")

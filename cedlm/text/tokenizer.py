@@ -12,6 +12,7 @@ pad 2 (as the official config), then the chat, task, image and DSpark-noise toke
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -27,6 +28,11 @@ _DS_WORD_REGEX = (
     "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
     " ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"
 )
+
+
+PIECE_CHARS = 1 << 15           # encode_plain: texts longer than this are encoded in pieces
+PIECES_PER_BATCH = 4
+_SAFE_CUT = re.compile(r"[A-Za-z](?= [A-Za-z])")
 
 
 def _tk():
@@ -76,7 +82,42 @@ class Tokenizer:
             plain.normalizer = self.hf.normalizer
             plain.pre_tokenizer = self.hf.pre_tokenizer
             self._plain = plain
-        return plain.encode(text, add_special_tokens=False).ids
+        if len(text) <= PIECE_CHARS:
+            return plain.encode(text, add_special_tokens=False).ids
+        # A long text: encoded as pieces cut where the pre-tokenizer cuts anyway, through the
+        # batch API (which releases the GIL), a batch of pieces at a time, so that the other
+        # threads (the server's event loop) run in between; the ids equal one whole encode.
+        pieces, ids = self.split_pieces(text), []
+        for i in range(0, len(pieces), PIECES_PER_BATCH):
+            for e in plain.encode_batch(pieces[i: i + PIECES_PER_BATCH], add_special_tokens=False):
+                ids += e.ids
+        return ids
+
+    def split_pieces(self, text: str) -> list[str]:
+        """`text` cut into pieces of about PIECE_CHARS characters, each cut between an ASCII
+        letter and a space followed by an ASCII letter: a pre-token boundary of the DeepSeek
+        pre-tokenizer (a word never continues over a space), so encoding the pieces one by one
+        gives the whole text's ids. One piece when the pre-tokenizer is another."""
+        if len(text) <= PIECE_CHARS or not self._word_split():
+            return [text]
+        out, start = [], 0
+        while len(text) - start > PIECE_CHARS:
+            m = _SAFE_CUT.search(text, start + PIECE_CHARS)
+            if m is None:
+                break
+            out.append(text[start: m.end()])
+            start = m.end()
+        out.append(text[start:])
+        return out
+
+    def _word_split(self) -> bool:
+        """The pre-tokenizer is the DeepSeek one (`_DS_WORD_REGEX`), where split_pieces is exact."""
+        known = self.__dict__.get("_ds_split")
+        if known is None:
+            pre = json.loads(self.hf.to_str()).get("pre_tokenizer") or {}
+            pats = [(p.get("pattern") or {}).get("Regex") for p in pre.get("pretokenizers", [pre])]
+            known = self._ds_split = _DS_WORD_REGEX in pats
+        return known
 
     @property
     def added_tokens(self) -> dict[str, int]:
