@@ -219,3 +219,56 @@ def test_long_text_is_encoded_in_pieces_with_the_same_ids(tok):
     plain = _tk().Tokenizer(tok.hf.model)
     plain.normalizer, plain.pre_tokenizer = tok.hf.normalizer, tok.hf.pre_tokenizer
     assert tok.encode_plain(text) == plain.encode(text, add_special_tokens=False).ids
+
+
+# =========================================================================== 4. lone surrogate in a key
+
+
+def test_lone_surrogate_in_a_key_is_400_and_the_connection_stays_usable(hostile_app):
+    """A lone surrogate in a JSON key used to be a 500 (the error message naming the key could
+    not be encoded) and the connection was dropped; now a 400 naming the escaped key, and the
+    same keep-alive connection serves the next requests."""
+    import http.client
+    app, base, alone = hostile_app
+    host, port = base.removeprefix("http://").split(":")
+
+    def hostile():
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        out = []
+        for body in ('{"model":"%s","prompt":"a","max_tokens":2,"\\udc00":1}' % MODEL,
+                     '{"model":"%s","messages":[{"role":"user","content":"a","\\ud800x":1}]}' % MODEL):
+            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            conn.request("POST", path, body=body.encode(), headers={"content-type": "application/json"})
+            r = conn.getresponse()
+            out.append((r.status, r.read().decode()))
+        for _ in range(3):
+            conn.request("POST", "/v1/completions", body=json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 2}),
+                         headers={"content-type": "application/json"})
+            r = conn.getresponse()
+            out.append((r.status, r.read().decode()))
+        conn.close()
+        return out
+    out = beside_bystander(app, base, alone, hostile)
+    assert [s for s, _ in out] == [400, 400, 200, 200, 200], out
+    assert "unpaired surrogate" in out[0][1] and "\\\\udc00" in out[0][1]
+
+
+# =========================================================================== 5. sampling floats
+
+
+@pytest.mark.parametrize("temperature", [3.5e38, 1e30, 1.0001e4])
+def test_temperature_where_float32_overflows_is_400(hostile_app, temperature):
+    app, base, alone = hostile_app
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 4, "temperature": temperature, "allowed_token_ids": [100, 200]}
+    r = beside_bystander(app, base, alone, lambda: _post(base, "/v1/completions", body))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+
+
+def test_largest_temperature_keeps_the_constraints(hostile_app):
+    app, base, alone = hostile_app
+    r = _post(base, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 8, "temperature": 1e4,
+                                        "allowed_token_ids": [100, 200], "ignore_eos": True, "seed": 1,
+                                        "return_tokens_as_token_ids": True, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    toks = r.json()["choices"][0]["logprobs"]["tokens"]
+    assert toks and all(t in ("token_id:100", "token_id:200") for t in toks), toks

@@ -14,6 +14,10 @@ GREEDY_EPS = 1e-5   # temperatures below this are treated as 0 (greedy); avoids 
 TOP_K_MAX = 2**31 - 1   # largest accepted top_k; values above the vocabulary size are clamped when sampling
 LOGIT_BIAS_MAX = 100.0  # |bias| bound, as OpenAI and vLLM
 PENALTY_MAX = 2.0       # |presence_penalty|, |frequency_penalty| bound, as OpenAI and vLLM
+# Largest accepted temperature: far above any useful value (OpenAI accepts up to 2) and far below
+# where float32 overflows (3.4e38 becomes inf, and a masked logit -inf / inf is NaN: every
+# constraint was bypassed and token 0 picked).
+TEMPERATURE_MAX = 1e4
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 # (output_ids, logits [vocab] fp32) -> logits [vocab]: see ``SamplingParams.logits_processors``.
@@ -34,7 +38,8 @@ class SamplingParams:
 
     max_tokens: number of tokens to generate at most (>= 1; 0 only with ``prompt_logprobs``);
         reaching it finishes with "length".
-    temperature: softmax temperature (>= 0); 0 (below ``GREEDY_EPS``) means greedy decoding.
+    temperature: softmax temperature in [0, ``TEMPERATURE_MAX``]; 0 (below ``GREEDY_EPS``) means
+        greedy decoding.
     top_k: keep the k most likely tokens (1 <= k <= 2**31 - 1; a k above the vocabulary size keeps
         every token); 0 or -1 disables it.
     top_p: nucleus sampling, keep the smallest most-likely set with cumulative probability >= top_p
@@ -119,8 +124,9 @@ class SamplingParams:
                 self.max_tokens == 0 and self.prompt_logprobs is None):
             raise ValueError(f"max_tokens must be an integer >= 1 (0 only with prompt_logprobs, "
                              f"to score the prompt), got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or \
+                not 0 <= self.temperature <= TEMPERATURE_MAX:
+            raise ValueError(f"temperature must be a number in [0, {TEMPERATURE_MAX:g}], got {self.temperature!r}")
         self.temperature = float(self.temperature)
         if not _is_int(self.top_k) or not (-1 <= self.top_k <= TOP_K_MAX):
             raise ValueError(

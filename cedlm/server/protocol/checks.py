@@ -15,7 +15,10 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _where(path: list) -> str:
-    return ".".join(str(p) for p in path) or "request body"
+    """The path as text a message can carry: a lone surrogate in a key is written as its escape
+    (a message holding one cannot be encoded, which was a 500 and a dropped connection)."""
+    text = ".".join(str(p) for p in path) or "request body"
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def check_body(body: Any) -> None:
