@@ -232,23 +232,21 @@ def test_lone_surrogate_in_a_key_is_400_and_the_connection_stays_usable(hostile_
     app, base, alone = hostile_app
     host, port = base.removeprefix("http://").split(":")
 
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+
+    def send(path, body):
+        conn.request("POST", path, body=body.encode(), headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read().decode()
+
     def hostile():
-        conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        out = []
-        for body in ('{"model":"%s","prompt":"a","max_tokens":2,"\\udc00":1}' % MODEL,
-                     '{"model":"%s","messages":[{"role":"user","content":"a","\\ud800x":1}]}' % MODEL):
-            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
-            conn.request("POST", path, body=body.encode(), headers={"content-type": "application/json"})
-            r = conn.getresponse()
-            out.append((r.status, r.read().decode()))
-        for _ in range(3):
-            conn.request("POST", "/v1/completions", body=json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 2}),
-                         headers={"content-type": "application/json"})
-            r = conn.getresponse()
-            out.append((r.status, r.read().decode()))
-        conn.close()
-        return out
+        return [send("/v1/completions", '{"model":"%s","prompt":"a","max_tokens":2,"\\udc00":1}' % MODEL),
+                send("/v1/chat/completions",
+                     '{"model":"%s","messages":[{"role":"user","content":"a","\\ud800x":1}]}' % MODEL)]
     out = beside_bystander(app, base, alone, hostile)
+    good = json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 2})
+    out += [send("/v1/completions", good) for _ in range(3)]          # the same connection
+    conn.close()
     assert [s for s, _ in out] == [400, 400, 200, 200, 200], out
     assert "unpaired surrogate" in out[0][1] and "\\\\udc00" in out[0][1]
 
@@ -272,3 +270,59 @@ def test_largest_temperature_keeps_the_constraints(hostile_app):
     assert r.status_code == 200, r.text
     toks = r.json()["choices"][0]["logprobs"]["tokens"]
     assert toks and all(t in ("token_id:100", "token_id:200") for t in toks), toks
+
+
+# =========================================================================== 6. slots per request
+
+
+def test_one_request_cannot_take_every_slot(hostile_app):
+    """n / best_of are capped at half the sequence slots (400 naming the field), so one request
+    leaves the others a fair share."""
+    app, base, alone = hostile_app
+    cap = app.state.server.max_samples
+    assert cap == 2                                              # max_num_seqs 4
+    for field in ("n", "best_of"):
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 4, field: cap + 1}
+        r = beside_bystander(app, base, alone, lambda: _post(base, "/v1/completions", body))
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = _post(base, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2, "n": cap})
+    assert r.status_code == 200 and len(r.json()["choices"]) == cap
+
+
+# =========================================================================== 7. contradictory constraints
+
+
+def test_contradictory_constraints_are_400_and_health_stays_ready(hostile_app):
+    app, base, alone = hostile_app
+    tok = app.state.server.tok
+    a = tok.encode_plain("a")
+    assert len(a) == 1
+    bodies = [  # contradicts from the first token: refused before running
+        {"model": MODEL, "prompt": "x", "max_tokens": 4, "allowed_token_ids": [0], "guided_regex": "abc"},
+        # allows the first token only: the engine finds the dead end at the second
+        {"model": MODEL, "prompt": "x", "max_tokens": 4, "allowed_token_ids": a, "guided_regex": "a[bc]"},
+    ]
+    for i, (body, words) in enumerate(zip(bodies, ("can begin the output", "leave no token"))):
+        # the second runs a decode step, batched with the bystander's if beside it (batched
+        # decode rounds differently, and the random tiny model has near-ties): sent alone
+        send = lambda: _post(base, "/v1/completions", body)          # noqa: E731
+        r = beside_bystander(app, base, alone, send) if i == 0 else send()
+        assert r.status_code == 400 and words in r.text, r.text
+        err = r.json()["error"]
+        assert err["param"] == "allowed_token_ids" and err["code"] == "constraint_conflict", err
+    h = httpx.get(f"{base}/health", timeout=10).json()
+    assert h["status"] == "ready", h                              # a request's fault, not the server's
+    assert engine_idle(app) == (0, 0, 0, 0)
+
+
+# =========================================================================== 8. more than the queue can hold
+
+
+def test_a_request_larger_than_the_queue_is_400_and_a_fitting_burst_is_served():
+    app = make_app(max_num_seqs=4, max_waiting=8)
+    with serve(app) as base:
+        r = _post(base, "/v1/completions", {"model": MODEL, "prompt": ["a"] * 13, "max_tokens": 2})
+        assert r.status_code == 400 and "holds at most 12 at once" in r.json()["error"]["message"], r.text
+        r = _post(base, "/v1/completions", {"model": MODEL, "prompt": ["a"] * 12, "max_tokens": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 12, r.text     # slots + queue
+        assert engine_idle(app) == (0, 0, 0, 0)

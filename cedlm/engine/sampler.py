@@ -33,6 +33,13 @@ import torch
 from cedlm.engine.sampling_params import SamplingParams
 
 
+
+class ConstraintConflict(ValueError):
+    """A request's own constraints (allowed_token_ids, logit_bias, a grammar) leave no token to
+    sample: a fault of the request, not of the engine (the server answers 400 and stays ready).
+    Its name starts the request's `error` text (`StepOutput.error`)."""
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A generator for one request: seeded with ``seed`` on ``device``; None (global RNG) without a seed.
 
@@ -131,8 +138,8 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories
         if torch.isnan(row).any() or (row == float("inf")).any():
             raise ValueError("logits_processors: the processed logits contain NaN or +inf")
         if not torch.isfinite(row).any():
-            raise ValueError("allowed_token_ids / logit_bias / logits_processors: every token is masked "
-                             "(no finite logit left)")
+            raise ConstraintConflict("allowed_token_ids / logit_bias / logits_processors: every token is masked "
+                                     "(no finite logit left)")
         out[b] = row
     return out
 

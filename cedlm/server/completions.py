@@ -155,6 +155,7 @@ async def completions(body: CompletionRequest, raw: Request):
     if body.echo and body.logprobs is not None:
         score_k = max(score_k or 0, body.logprobs)
     want, n = max(body.n, body.best_of or 1), body.n
+    srv.check_capacity(len(prompts) * want, "prompt" if len(prompts) > 1 else "n")
     as_ids = body.return_tokens_as_token_ids
     headers = srv.headers(resolved)
     created = int(time.time())

@@ -68,7 +68,8 @@ class ServerState:
         self.think_end_id = tokenizer.token_to_id(THINK_END) if tokenizer is not None else None
         self.max_model_len = engine.max_model_len
         self.max_prompt_tokens = min(self.max_model_len, max_prompt_tokens or self.max_model_len)
-        self.pool_tokens = engine.snapshot().pool_tokens
+        snap = engine.snapshot()
+        self.pool_tokens, self.max_num_seqs = snap.pool_tokens, snap.max_num_seqs
         self.created = int(time.time())
         self.max_token_chars = _max_token_chars(tokenizer) if tokenizer is not None else None
         if tokenizer is not None and hasattr(tokenizer, "encode_plain"):
@@ -84,6 +85,29 @@ class ServerState:
             raise APIError(400, f"{param}: the prompt has {n_chars} characters, far more than the prompt "
                                 f"limit of {self.max_prompt_tokens} tokens can hold", param=param,
                            code="context_length_exceeded")
+
+    @property
+    def max_samples(self) -> int:
+        """The most samples (n / best_of) one request may run: half the engine's sequence slots,
+        so that one request never holds every slot (the others keep a fair share)."""
+        return max(1, self.max_num_seqs // 2)
+
+    def check_samples(self, body) -> None:
+        for name in ("best_of", "n"):
+            v = getattr(body, name, None)
+            if v is not None and v > self.max_samples:
+                raise APIError(400, f"{name}: at most {self.max_samples} samples per request on this server "
+                                    f"(half its {self.max_num_seqs} sequence slots), got {v}", param=name)
+
+    def check_capacity(self, n_sequences: int, param: str) -> None:
+        """Refuse (400, not 429: a retry cannot succeed) a request of more sequences (prompts x
+        samples) than the engine's slots and the waiting queue can ever hold at once."""
+        bound = self.worker.max_waiting
+        if bound is not None and n_sequences > bound + self.max_num_seqs:
+            raise APIError(400, f"{param}: the request needs {n_sequences} sequences (prompts x max(n, best_of)); "
+                                f"this server holds at most {bound + self.max_num_seqs} at once (max_num_seqs "
+                                f"{self.max_num_seqs} + max_waiting {bound}): split it into smaller requests",
+                           param=param, code="request_too_large")
 
     def resolve(self, name) -> Resolved:
         try:
@@ -125,6 +149,7 @@ class ServerState:
         """SamplingParams of one prompt (its n / best_of samples run as one engine group; sample
         i gets seed + i). The grammar processor is built here, fresh for each prompt."""
         fields = engine_fields()
+        self.check_samples(body)
         temperature = 1.0 if body.temperature is None else body.temperature
         kw: dict[str, Any] = dict(
             max_tokens=self.max_tokens_for(max_tokens, len(prompt_ids)),
@@ -156,6 +181,8 @@ class ServerState:
                 procs.append(self.grammars.processor(grammar, grammar_param, gate))
             except GrammarError as e:
                 raise APIError(400, str(e), param=e.param) from None
+            if body.allowed_token_ids and gate is None:
+                self._check_allowed_start(procs[-1], body.allowed_token_ids, grammar_param)
             hooked.append(grammar_param)
         if body.min_tokens:
             eos = [self.tok.eos_id] if self.tok is not None and not body.ignore_eos else []
@@ -174,6 +201,16 @@ class ServerState:
         except ValueError as e:
             msg = str(e)
             raise APIError(400, msg, param=msg.split(" ", 1)[0].rstrip(":")) from None
+
+    def _check_allowed_start(self, proc, allowed: list[int], grammar_param: str) -> None:
+        """allowed_token_ids that contradict the grammar from the first token on: a 400 here,
+        before anything runs (a later dead end is the engine's ConstraintConflict, also a 400)."""
+        import torch
+        start = torch.isfinite(proc([], torch.zeros(proc.V)))
+        if not any(0 <= t < proc.V and bool(start[t]) for t in allowed):
+            raise APIError(400, f"allowed_token_ids: none of the allowed tokens can begin the output that "
+                                f"{grammar_param} requires", param="allowed_token_ids",
+                           code="constraint_conflict")
 
     def headers(self, resolved: Resolved, extra: dict | None = None) -> dict:
         h = dict(extra or {})
