@@ -19,7 +19,9 @@ COMMANDS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cedlm import __version__
     parser = argparse.ArgumentParser(prog="cedlm", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"cedlm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod, attr in COMMANDS:
         try:

@@ -7,6 +7,11 @@ The server runs in-process on the `tiny` preset (random weights), as in tests/te
 from __future__ import annotations
 
 import json
+import logging
+import re
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -18,7 +23,7 @@ from test_server import MODEL, make_app, serve  # noqa: E402  (the server tests'
 
 @pytest.fixture(scope="module")
 def ops_app():
-    app = make_app(max_num_seqs=4)
+    app = make_app(max_num_seqs=4, log_interval=0.3)      # a throughput line every 0.3 s while busy
     with serve(app) as base:
         yield app, base
 
@@ -71,3 +76,165 @@ def test_stream_options_errors_name_the_field_once(ops_app):
     assert r.status_code == 400, r.text
     msg = r.json()["error"]["message"]
     assert msg.count("continuous_usage_stats") == 1 and msg.startswith("stream_options.continuous_usage_stats"), msg
+
+
+# --------------------------------------------------------------------------- 3. latency histograms
+
+HISTOGRAMS = ("cedlm_time_to_first_token_seconds", "cedlm_time_per_output_token_seconds",
+              "cedlm_e2e_request_latency_seconds", "cedlm_request_queue_time_seconds",
+              "cedlm_request_prefill_time_seconds", "cedlm_request_decode_time_seconds",
+              "cedlm_request_prompt_tokens", "cedlm_request_generation_tokens")
+
+
+def histograms(base: str) -> dict[str, tuple[float, float]]:
+    """(count, sum) of each histogram, read with prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{base}/metrics").text):
+        if fam.type == "histogram":
+            vals = {s.name: s.value for s in fam.samples if s.labels.get("model_name") == MODEL}
+            out[fam.name] = (vals.get(fam.name + "_count", 0.0), vals.get(fam.name + "_sum", 0.0))
+        elif fam.name == "cedlm_request_success":
+            for smp in fam.samples:
+                if smp.name.endswith("_total"):
+                    out[f"success:{smp.labels['finished_reason']}"] = (smp.value, smp.value)
+    return out
+
+
+def test_latency_histograms_move_with_requests(ops_app):
+    base = ops_app[1]
+    before = histograms(base)
+    for i in range(2):
+        r = httpx.post(base + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": f"histogram {i} " * 8, "max_tokens": 5, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+    after = histograms(base)
+    for name in HISTOGRAMS:
+        assert after[name][0] - before.get(name, (0, 0))[0] == 2, (name, before.get(name), after[name])
+    grew = {k: after[k][1] - before.get(k, (0, 0))[1] for k in HISTOGRAMS}
+    assert grew["cedlm_request_generation_tokens"] == 10
+    assert grew["cedlm_request_prompt_tokens"] >= 2 * 8
+    e2e, ttft, tpot = (grew[f"cedlm_{k}"] for k in ("e2e_request_latency_seconds",
+                                                    "time_to_first_token_seconds",
+                                                    "time_per_output_token_seconds"))
+    assert 0 < ttft <= e2e and 0 < tpot <= e2e, grew
+    assert after["success:length"][0] - before.get("success:length", (0, 0))[0] == 2
+    print("histogram sums of two 5-token requests:", json.dumps({k: round(v, 4) for k, v in grew.items()}))
+
+
+# --------------------------------------------------------------------------- 4. request ids and logs
+
+
+def test_request_id_echoed_generated_and_validated(ops_app):
+    base = ops_app[1]
+    body = {"model": MODEL, "prompt": "id", "max_tokens": 1}
+    r = httpx.post(base + "/v1/completions", json=body, headers={"x-request-id": "trace-42.a"}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42.a"
+    assert r.json()["id"].startswith("cmpl-trace-42.a-")                  # the engine id carries it
+    r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    rid = r.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", rid) and r.json()["id"] == f"cmpl-{rid}"
+    for bad in ("x" * 129, "has space", "tab\tinside"):
+        r = httpx.post(base + "/v1/completions", json=body, headers={"x-request-id": bad}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id", r.text
+    r = httpx.get(base + "/v1/nothing", headers={"x-request-id": "probe-1"})     # errors carry it too
+    assert r.status_code == 404 and r.headers["x-request-id"] == "probe-1"
+
+
+def test_per_request_and_throughput_log_lines(ops_app, caplog):
+    base = ops_app[1]
+    caplog.set_level(logging.INFO, logger="cedlm.server")
+    r = httpx.post(base + "/v1/chat/completions", headers={"x-request-id": "log-me"}, timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "log this"}], "max_tokens": 4,
+        "ignore_eos": True})
+    assert r.status_code == 200
+    deadline = time.monotonic() + 5                  # the throughput line comes within 0.3 s
+    while time.monotonic() < deadline and not all(any(w in m for m in caplog.messages)
+                                                  for w in ("Avg prompt throughput", "log-me")):
+        time.sleep(0.05)
+    line = next(m for m in caplog.messages if "log-me" in m and "finished" in m)
+    assert re.search(r"request chatcmpl-log-me-[0-9a-f]{8} finished: prompt_tokens=\d+ cached_tokens=\d+ "
+                     r"output_tokens=4 ttft=[0-9.]+s total=[0-9.]+s finish_reason=length", line), line
+    tput = next(m for m in caplog.messages if "Avg prompt throughput" in m)
+    assert re.search(r"Avg generation throughput: [0-9.]+ tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, "
+                     r"KV cache usage: [0-9.]+%, Prefix cache hit rate: [0-9.]+%", tput), tput
+
+
+def test_throughput_line_only_while_busy():
+    from cedlm.server.tracing import ThroughputLog
+
+    class W:
+        snapshot = {"counters": {"prompt_tokens": 0, "generation_tokens": 0}, "running": 0, "waiting": 0,
+                    "kv": {"blocks_total": 10, "blocks_in_use": 0}}
+    w = W()
+    t = ThroughputLog(w, interval=10)
+    assert t.tick() is None                       # the first tick only sets the baseline
+    assert t.tick() is None                       # idle: no line
+    w.snapshot = {**W.snapshot, "counters": {"prompt_tokens": 100, "generation_tokens": 20}, "running": 1,
+                  "kv": {"blocks_total": 10, "blocks_in_use": 5}}
+    line = t.tick()
+    assert line is not None and "Running: 1 reqs" in line and "KV cache usage: 50.0%" in line
+
+
+# --------------------------------------------------------------------------- 5. unsupported routes, version
+
+
+@pytest.mark.parametrize("path,words", [("/v1/embeddings", "embedding"), ("/v1/responses", "Responses API"),
+                                        ("/v1/audio/transcriptions", "audio"), ("/v1/moderations", "moderation")])
+def test_unsupported_routes_answer_a_clear_501(ops_app, path, words):
+    r = httpx.post(ops_app[1] + path, json={"model": MODEL, "input": "hi"})
+    assert r.status_code == 501, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "unsupported_endpoint"
+    assert words in err["message"] and "not served by cedlm" in err["message"]
+    assert "POST /v1/chat/completions" in err["message"]                  # says what it serves
+
+
+def test_openai_client_embeddings_error_is_clear(ops_app):
+    openai = pytest.importorskip("openai")
+    from test_server import client
+    with pytest.raises(openai.APIStatusError) as ei:
+        client(ops_app[1]).embeddings.create(model=MODEL, input="hello")
+    assert ei.value.status_code == 501 and "embedding" in ei.value.message
+
+
+def test_unknown_and_wrong_method_routes(ops_app):
+    base = ops_app[1]
+    r = httpx.get(base + "/v1/nothing")
+    assert r.status_code == 404 and "cedlm serves" in r.json()["error"]["message"]
+    r = httpx.get(base + "/v1/chat/completions")
+    assert r.status_code == 405 and "POST" in r.headers["allow"], r.text
+
+
+def test_version_route_and_cli(ops_app):
+    from cedlm import __version__
+    assert httpx.get(ops_app[1] + "/version").json() == {"version": __version__}
+    for argv in (["--version"], ["serve", "--version"]):
+        out = subprocess.run([sys.executable, "-m", "cedlm.cli", *argv], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == f"cedlm {__version__}", out
+
+
+# --------------------------------------------------------------------------- 6. the chat page
+
+
+def test_chat_page_served_and_self_contained(ops_app):
+    r = httpx.get(ops_app[1] + "/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    html = r.text
+    assert "/v1/chat/completions" in html and "reasoning_content" in html
+    for field in ("max_tokens", "temperature", "effort", "api_key"):
+        assert f'id="{field}"' in html
+    # nothing from elsewhere: no external scripts, styles, images, fonts or fetches
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html, flags=re.I)
+    assert not re.search(r"""@import|url\(\s*["']?(https?:)?//|fetch\(\s*["'`]https?:""", html, flags=re.I)
+    assert "http://" not in html and "https://" not in html
+
+
+def test_chat_page_needs_no_key_but_the_api_does():
+    from test_server import make_app as mk
+    app = mk(api_key="sekret", log_interval=None)
+    with serve(app) as base:
+        assert httpx.get(base + "/").status_code == 200
+        assert httpx.get(base + "/v1/models").status_code == 401
+        assert httpx.get(base + "/v1/models", headers={"authorization": "Bearer sekret"}).status_code == 200

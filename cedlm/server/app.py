@@ -2,7 +2,9 @@
 
 Routes: POST /v1/chat/completions (`chat`), POST /v1/completions (`completions`), both streaming
 over SSE or not; GET /v1/models, GET /v1/models/{id}, POST /tokenize and POST /detokenize (vLLM's
-shapes), GET /health, GET /metrics (Prometheus text format), here. Behaviour follows vLLM's
+shapes), GET /health, GET /metrics (Prometheus text format), here; GET /version and 501 / 404 for
+other /v1 routes (`unsupported.py`), the chat page at GET / (`ui/`). Request ids, the per-request
+and throughput log lines: `tracing.py`; latency histograms: `latency.py`. Behaviour follows vLLM's
 OpenAI server where the OpenAI API is silent.
 
 - Model names go through the explicit alias table (`aliases.py`).
@@ -20,6 +22,7 @@ OpenAI server where the OpenAI API is silent.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -36,6 +39,9 @@ from cedlm.server.chat import EFFORT_HEADER, ReasoningSplitter, encode_messages
 from cedlm.server.errors import APIError, BodyTooLarge, fix_openapi, install_error_handlers, unauthorized
 from cedlm.server.images import options_for as image_options
 from cedlm.server.metrics import Metrics
+from cedlm.server.tracing import RequestIdMiddleware, ThroughputLog, log_finished
+from cedlm.server.ui import ui_router
+from cedlm.server.unsupported import unsupported_router, version_router
 from cedlm.server.protocol import (
     DetokenizeRequest, DetokenizeResponse, Health, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
 )
@@ -49,7 +55,7 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 log = logging.getLogger("cedlm.server")
 
 _ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-           "/detokenize"}
+           "/detokenize", "/version", "/"}
 
 models_router = APIRouter()
 ops_router = APIRouter()
@@ -221,7 +227,8 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
                retry_after: int = 1, max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
                max_prompt_tokens: int | None = None, exit_on_engine_failure: bool = False,
                default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-               worker_options: dict | None = None, allow_remote_images: bool = False) -> FastAPI:
+               worker_options: dict | None = None, allow_remote_images: bool = False,
+               log_interval: float | None = 10.0) -> FastAPI:
     """An app serving an `LLM` or an `Engine`.
 
     served_model_name: the primary name (default "cedlm"); aliases: an AliasTable, or a dict
@@ -235,6 +242,8 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     max_tokens of a request that omits it (None or 0: the rest of the context); worker_options: more
     `EngineWorker` keywords (max_step_failures, max_restarts, degraded_window, stall_after,
     on_failed); allow_remote_images: fetch http(s) `image_url`s (default off: 400; data: URLs always).
+    log_interval: seconds between the throughput log lines while there is traffic (None: none;
+    server/tracing.py).
     """
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
     tokenizer = getattr(llm_or_engine, "tokenizer", None) or getattr(engine, "tokenizer", None)
@@ -248,13 +257,17 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     worker = EngineWorker(engine, max_waiting=max_waiting, queue_timeout=queue_timeout,
                           retry_after=retry_after, **opts)
     metrics = Metrics(worker, table.served_name)
+    worker.on_finished += [metrics.latency.observe, log_finished]     # histograms, the per-request line
 
     @asynccontextmanager
     async def lifespan(app):
         worker.start()
+        ticker = asyncio.ensure_future(ThroughputLog(worker, log_interval).run()) if log_interval else None
         try:
             yield
         finally:
+            if ticker is not None:
+                ticker.cancel()
             worker.stop()
 
     app = FastAPI(title="cedlm", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -266,6 +279,7 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     if max_body_bytes is not None:
         app.add_middleware(_BodyLimit, max_bytes=int(max_body_bytes))
     app.add_middleware(_HTTPMetrics, metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)           # outermost: every response carries x-request-id
     install_error_handlers(app)
     fix_openapi(app)
     auth = [Depends(_bearer_auth(api_key))]
@@ -273,6 +287,9 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     app.include_router(models_router, dependencies=auth)
     app.include_router(chat.router, dependencies=auth)
     app.include_router(completions.router, dependencies=auth)
+    app.include_router(version_router)
+    app.include_router(ui_router)                     # the chat page at / (server/ui/)
+    app.include_router(unsupported_router)            # 501 naming what cedlm serves instead
     return app
 
 

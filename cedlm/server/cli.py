@@ -7,7 +7,8 @@ import sys
 
 from cedlm.engine.args import add_cli_args, parse_bytes
 
-__all__ = ["add_parser", "build_app", "exposure_warning", "is_loopback", "parse_bytes", "run"]
+__all__ = ["add_parser", "build_app", "configure_logging", "exposure_warning", "is_loopback", "parse_bytes",
+           "run"]
 
 
 def is_loopback(host: str) -> bool:
@@ -52,6 +53,8 @@ def _non_negative(s: str) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                        description=__doc__)
+    from cedlm import __version__
+    p.add_argument("--version", action="version", version=f"cedlm {__version__}")
     p.add_argument("--model", default=None,
                    help="checkpoint dir or preset (default: the shipped default model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -108,6 +111,20 @@ def build_app(args):
                       exit_on_engine_failure=True)
 
 
+def configure_logging(level: str) -> None:
+    """The server's own lines (logger "cedlm": request ids, the per-request and throughput lines of
+    server/tracing.py) on stderr at `level`, formatted like uvicorn's; uvicorn configures its own."""
+    import logging
+    logger = logging.getLogger("cedlm")
+    if not any(getattr(h, "cedlm_serve", False) for h in logger.handlers):
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(levelname)s:     %(asctime)s %(name)s: %(message)s"))
+        h.cedlm_serve = True
+        logger.addHandler(h)
+        logger.propagate = False
+    logger.setLevel(level.upper())
+
+
 def run(args) -> int:
     import logging
 
@@ -120,6 +137,7 @@ def run(args) -> int:
         print(warning, file=sys.stderr, flush=True)
         logging.getLogger("cedlm.server").warning(warning)
     torch.set_num_threads(args.num_threads)
+    configure_logging(args.log_level)
     try:
         app = build_app(args)
     except ValueError as e:

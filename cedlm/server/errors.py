@@ -128,12 +128,16 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
         typ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=typ, code=getattr(exc, "code", None),
+        detail = str(exc.detail)
+        if exc.status_code == 404 and detail == "Not Found":          # no such route: say what is served
+            from cedlm.server.unsupported import not_found_message   # (it imports this module)
+            detail = not_found_message(request.method, request.url.path)
+        return APIError(exc.status_code, detail, type=typ, code=getattr(exc, "code", None),
                         headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(Exception)
     async def _crash(request, exc: Exception):
-        rid = new_request_id("err")
+        rid = request.scope.get("state", {}).get("request_id") or new_request_id("err")   # server/tracing.py
         log.error("unhandled error in %s %s [request id %s]", request.method, request.url.path, rid,
                   exc_info=exc)
         return internal_error(rid).response()

@@ -8,6 +8,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from cedlm.server.latency import RequestLatency
+
 KV_KINDS = ("main_kv", "index_keys", "window", "compressor_state")
 
 
@@ -101,3 +103,6 @@ class Metrics:
                             ["route", "status"], registry=self.registry)
         self.disconnects = Counter("cedlm_client_disconnects", "Requests aborted because the client went away.",
                                    registry=self.registry)
+        # per-request latency histograms (server/latency.py), fed by the worker for each finished request
+        self.latency = RequestLatency(self.registry, model_name,
+                                      getattr(getattr(worker, "engine", None), "max_model_len", 4096))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -28,6 +27,7 @@ from fastapi.responses import StreamingResponse
 
 from cedlm.engine.sampling_params import SamplingParams
 from cedlm.server.errors import APIError
+from cedlm.server.tracing import engine_request_id
 from cedlm.server.worker import Admitted, Delta, Failed, Finished, sample_ids
 
 DONE = "data: [DONE]\n\n"
@@ -100,7 +100,7 @@ class Group:
                  prompts: list[tuple[list[int], SamplingParams]], images: list | None = None):
         self.worker, self.raw, self.metrics = worker, raw, metrics
         self.images = images or None          # prepared images of a one-prompt chat request
-        self.rid = f"{prefix}-{uuid.uuid4().hex}"
+        self.rid = engine_request_id(raw, prefix)     # carries the x-request-id (server/tracing.py)
         self.prompts = prompts
         self.events: list[RequestEvents] = []
         self.first: list[int] = []

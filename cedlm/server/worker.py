@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from cedlm.engine.request import Request, Status
-from cedlm.engine.sampler import ConstraintConflict
 from cedlm.engine.scheduler import RequestRejected
 from cedlm.server.events import Admitted, Delta, Failed, Finished
 
@@ -124,6 +123,9 @@ class EngineWorker:
         self._store_errors = (0, 0.0)            # (last count seen, when it last grew)
         self.rejected = {"queue_full": 0, "queue_timeout": 0}
         self.errors = {"request": 0, "step": 0, "loop": 0}
+        # called on the engine thread with each finished request's last StepOutput (the latency
+        # histograms, the per-request log line: server/latency.py, server/tracing.py); cheap, never raise
+        self.on_finished: list[Callable[[StepOutput], Any]] = []
         self.snapshot: dict = {}
         self._update_snapshot()
 
@@ -324,6 +326,7 @@ class EngineWorker:
                 self._add(arg)
             elif kind == "abort":
                 if self._tracked.pop(arg, None) is not None:
+                    log.info("request %s aborted (the client went away)", arg)
                     self._abort(arg)
             elif kind == "call":
                 fn, fut = arg
@@ -348,10 +351,8 @@ class EngineWorker:
         if self.max_waiting is None:
             return None
         s = self.engine.snapshot()
-        # the free sequence slots take waiting requests at the next step: the queue holds
-        # max_waiting beyond them (a burst of requests arrives before that step runs)
-        free = max(0, s.max_num_seqs - s.num_running)
-        return s if s.num_waiting >= self.max_waiting + free else None
+        cannot_admit_now = s.num_waiting > 0 or s.num_running >= s.max_num_seqs
+        return s if s.num_waiting >= self.max_waiting and cannot_admit_now else None
 
     def _add(self, sub: _Submit) -> None:
         try:
@@ -433,20 +434,12 @@ class EngineWorker:
 
     def _publish_one(self, o: StepOutput, t: _Track) -> None:
         rid = o.request_id
-        if o.failed and (o.error or "").startswith(ConstraintConflict.__name__ + ":"):
-            # the request's own constraints leave no token (e.g. allowed_token_ids against its
-            # grammar): a 400 for it alone; nothing is wrong with the server (/health stays ready)
-            log.info("request %s: %s", rid, o.error)
-            del self._tracked[rid]
-            self._send(t, Failed(400, "the request's constraints leave no token to generate: "
-                                      + o.error.split(": ", 1)[1], param="allowed_token_ids",
-                                 code="constraint_conflict"))
-            return
         if o.failed:                              # the engine failed this request's batch: it alone gets the error
             log.error("request %s failed in the engine: %s", rid, o.error or "(no detail)")
             self.errors["request"] += 1
             self._note(f"a request failed in the engine (request id {rid})")
             del self._tracked[rid]
+            self._finished(o)
             self._send(t, self._internal(rid))
             return
         if not t.admitted:
@@ -459,9 +452,19 @@ class EngineWorker:
             self._send(t, Delta(o.text, list(o.new_token_ids), list(o.new_logprobs), top, t.prompt_logprobs))
             t.prompt_logprobs = None
         if o.finished:
+            self._finished(o)                    # logged and measured before the client hears of it
             self._send(t, Finished(o.finish_reason, o.num_prompt_tokens, o.num_output_tokens, t.cached,
                                    t.prompt_logprobs))
             del self._tracked[rid]               # (the engine forgot it in step())
+
+    def _finished(self, o: StepOutput) -> None:
+        """Hand a finished request's output to the `on_finished` observers (their failure is logged,
+        never the request's)."""
+        for fn in self.on_finished:
+            try:
+                fn(o)
+            except Exception:                     # noqa: BLE001 - observers must not fail requests
+                log.exception("an on_finished observer failed for request %s", o.request_id)
 
     def _fail_all(self, failure: Callable[[str], Failed]) -> None:
         for rid, t in list(self._tracked.items()):
