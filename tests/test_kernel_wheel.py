@@ -6,9 +6,10 @@ this interpreter's environment), and run from a directory outside the checkout w
 ``PYTHONPATH`` at the install and ``CEDLM_KERNEL_DIR`` at a fresh directory: the wheel ships the
 C++ sources, ``python -m cedlm.kernels.build`` compiles them into that directory (1-2 minutes),
 nothing lands in ``site-packages/build``, the installed package loads the compiled module, and
-``cedlm generate --max-tokens 4`` runs on it without the "unavailable" line. About 90 seconds
-on two cores (most of it the compile); not marked slow: it is the only check that an installed
-package, not the checkout, can build its kernels.
+``cedlm generate --max-tokens 4`` runs on it without the "unavailable" line; then the installed
+``cedlm serve`` (``--version``, a completion, ``/version``, the chat page shipped as package
+data). About 100 seconds on two cores (most of it the compile); not marked slow: it is the only
+check that an installed package, not the checkout, can build its kernels and serve.
 """
 from __future__ import annotations
 
@@ -83,3 +84,26 @@ def test_kernels_build_and_load_from_an_installed_wheel(tmp_path):
     assert gen.returncode == 0, gen.stderr[-3000:]
     assert gen.stdout.strip()
     assert "unavailable" not in gen.stderr, gen.stderr[-3000:]
+
+    # the server from the wheel: --version, and `cedlm serve` answers a completion, /version and
+    # the chat page (package data: cedlm/server/ui/index.html)
+    assert (site / "cedlm" / "server" / "ui" / "index.html").is_file()
+    ver = subprocess.run([str(cli), "serve", "--version"], cwd=run_dir, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert ver.returncode == 0 and ver.stdout.startswith("cedlm "), ver
+    import httpx
+    from conftest import _free_port, stop_process, wait_healthy
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([str(cli), "serve", "--port", str(port), "--threads", "1", "--log-level", "warning"],
+                            cwd=run_dir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert wait_healthy(base, lambda: proc.poll() is None, 120, 0.2), "the installed cedlm serve did not start"
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        assert httpx.get(f"{base}/version").json()["version"] == ver.stdout.split()[1]
+        page = httpx.get(f"{base}/")
+        assert page.status_code == 200 and "/v1/chat/completions" in page.text
+    finally:
+        stop_process(proc, 15)
+    assert "unavailable" not in proc.stderr.read().decode(errors="replace")
