@@ -326,3 +326,51 @@ def test_a_request_larger_than_the_queue_is_400_and_a_fitting_burst_is_served():
         r = _post(base, "/v1/completions", {"model": MODEL, "prompt": ["a"] * 12, "max_tokens": 2})
         assert r.status_code == 200 and len(r.json()["choices"]) == 12, r.text     # slots + queue
         assert engine_idle(app) == (0, 0, 0, 0)
+
+
+# =========================================================================== 9. lower items
+
+
+def test_the_key_is_checked_before_the_body_and_metrics_need_it():
+    app = make_app(api_key="sekret")
+    with serve(app) as base:
+        for body in (b"{not json", b'{"prompt": "' + b"x" * 100000 + b'"}'):
+            r = _post(base, "/v1/completions", body)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert httpx.get(f"{base}/metrics").status_code == 401
+        assert httpx.get(f"{base}/metrics", headers={"authorization": "Bearer sekret"}).status_code == 200
+        assert httpx.get(f"{base}/health").status_code == 200
+        ok = _post(base, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2},
+                   headers={"authorization": "Bearer sekret"})
+        assert ok.status_code == 200
+    app = make_app(api_key="sekret", metrics_public=True)
+    with serve(app) as base:
+        assert httpx.get(f"{base}/metrics").status_code == 200
+        assert _post(base, "/v1/completions", b"{").status_code == 401
+
+
+def test_store_counters_and_breaker_state_are_in_metrics():
+    from cedlm.server.metrics import store_metrics
+    kv = {"store_breaker_state": "half_open", "store_read_breaker": "half_open", "store_write_breaker": "closed",
+          "store_errors": 7, "store_timeouts": 2, "store_skipped": 5, "store_breaker_trips": 1, "store_block_hits": 3,
+          "store_consecutive_failures": 3}
+    fams = {f.name: f for f in store_metrics(["model_name"], "m", kv)}
+    val = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
+    assert val[("cedlm_store_errors_total", (("model_name", "m"),))] == 7
+    assert val[("cedlm_store_skipped_total", (("model_name", "m"),))] == 5
+    assert val[("cedlm_store_breaker_state", (("breaker", "read"), ("model_name", "m"), ("state", "half_open")))] == 1
+    assert val[("cedlm_store_breaker_state", (("breaker", "write"), ("model_name", "m"), ("state", "closed")))] == 1
+    assert val[("cedlm_store_breaker_state", (("breaker", "read"), ("model_name", "m"), ("state", "open")))] == 0
+    assert list(store_metrics(["model_name"], "m", {})) == []          # no store: nothing
+
+
+def test_health_names_the_half_open_breaker_accurately(hostile_app):
+    app, base, alone = hostile_app
+    w = app.state.worker
+    saved = dict(w.snapshot)
+    try:
+        w.snapshot = {**saved, "kv": {**saved.get("kv", {}), "store_breaker_state": "half_open"}}
+        status, reason = w.health()
+        assert status == "degraded" and "half-open" in reason and "skipped" not in reason
+    finally:
+        w.snapshot = saved

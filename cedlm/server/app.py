@@ -35,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cedlm.server import chat, completions
 from cedlm.server.aliases import AliasTable
+from cedlm.server.auth import APIKeyMiddleware
 from cedlm.server.chat import EFFORT_HEADER, ReasoningSplitter, encode_messages
 from cedlm.server.errors import APIError, BodyTooLarge, fix_openapi, install_error_handlers, unauthorized
 from cedlm.server.images import options_for as image_options
@@ -228,6 +229,7 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
                max_prompt_tokens: int | None = None, exit_on_engine_failure: bool = False,
                default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                worker_options: dict | None = None, allow_remote_images: bool = False,
+               metrics_public: bool = False,
                log_interval: float | None = 10.0) -> FastAPI:
     """An app serving an `LLM` or an `Engine`.
 
@@ -242,6 +244,8 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     max_tokens of a request that omits it (None or 0: the rest of the context); worker_options: more
     `EngineWorker` keywords (max_step_failures, max_restarts, degraded_window, stall_after,
     on_failed); allow_remote_images: fetch http(s) `image_url`s (default off: 400; data: URLs always).
+    metrics_public: with an api_key, leave /metrics open (default: behind the key, like every
+    route but /health; the key is checked from the headers before a body is read: auth.py).
     log_interval: seconds between the throughput log lines while there is traffic (None: none;
     server/tracing.py).
     """
@@ -278,6 +282,8 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     app.state.server.images = image_options(getattr(engine, "model", None), allow_remote_images)   # server/images.py
     if max_body_bytes is not None:
         app.add_middleware(_BodyLimit, max_bytes=int(max_body_bytes))
+    if api_key:                                       # before the body limit and any parsing
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, metrics_public=metrics_public)
     app.add_middleware(_HTTPMetrics, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)           # outermost: every response carries x-request-id
     install_error_handlers(app)

@@ -60,7 +60,10 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", "--api_key", dest="api_key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CEDLM_API_KEY, else open)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                        "$CEDLM_API_KEY, else open)")
+    p.add_argument("--metrics-public", "--metrics_public", dest="metrics_public", action="store_true",
+                   help="with an API key, leave /metrics open (default: /metrics needs the key too)")
     p.add_argument("--served-model-name", "--served_model_name", dest="served_model_name", default=None,
                    help="model name clients use (default: cedlm-small for the shipped model, cedlm-PRESET "
                         "for a preset, the directory name for a checkpoint)")
@@ -108,6 +111,7 @@ def build_app(args):
                       max_prompt_tokens=getattr(args, "max_prompt_tokens", None),
                       default_max_tokens=getattr(args, "default_max_tokens", 256),
                       allow_remote_images=getattr(args, "allow_remote_images", False),
+                      metrics_public=getattr(args, "metrics_public", False),
                       exit_on_engine_failure=True)
 
 

@@ -87,12 +87,45 @@ class EngineCollector:
         for k, v in s.get("errors", {}).items():
             m.add_metric([self.model, k], v)
         yield m
+        yield from store_metrics(lab, self.model, kv)
         status, _ = self.worker.health()
         g = GaugeMetricFamily("cedlm_engine_health", "1 for the engine's current health status (as /health).",
                               labels=lab + ["status"])
         for st in ("ready", "degraded", "failed"):
             g.add_metric([self.model, st], 1 if st == status else 0)
         yield g
+
+
+STORE_COUNTERS = {
+    "store_block_hits": "KV blocks read back from the store (prefix-cache hits past the pool).",
+    "store_errors": "KV store calls that raised (each one a cache miss).",
+    "store_timeouts": "KV store calls that timed out (counted in store_errors too).",
+    "store_skipped": "KV store calls skipped because their circuit breaker was open.",
+    "store_breaker_trips": "Times a KV store circuit breaker opened.",
+}
+BREAKER_STATES = ("closed", "half_open", "open")
+
+
+def store_metrics(lab: list[str], model: str, kv: dict):
+    """The KV store's counters and each circuit breaker's state (1 for the current state), from
+    the engine's kv stats (cache/store/guard.py); nothing without a store."""
+    if "store_breaker_state" not in kv:
+        return
+    for k, doc in STORE_COUNTERS.items():
+        m = CounterMetricFamily(f"cedlm_{k}", doc, labels=lab)
+        m.add_metric([model], kv.get(k, 0))
+        yield m
+    g = GaugeMetricFamily("cedlm_store_breaker_state", "1 for each KV store circuit breaker's current state.",
+                          labels=lab + ["breaker", "state"])
+    for breaker in ("read", "write"):
+        now = kv.get(f"store_{breaker}_breaker", "closed")
+        for st in BREAKER_STATES:
+            g.add_metric([model, breaker, st], 1 if st == now else 0)
+    yield g
+    g = GaugeMetricFamily("cedlm_store_consecutive_failures", "The longer failure run of the two KV store "
+                          "breakers.", labels=lab)
+    g.add_metric([model], kv.get("store_consecutive_failures", 0))
+    yield g
 
 
 class Metrics:

@@ -168,9 +168,13 @@ class EngineWorker:
             return "degraded", (f"{len(recent)} engine error{'s' if len(recent) > 1 else ''} in the last "
                                 f"{self.degraded_window:g} s; the last: {recent[-1]}")
         kv = self.snapshot.get("kv", {})
-        if kv.get("store_breaker_state", "closed") != "closed":
-            return "degraded", (f"the KV store's circuit breaker is {kv['store_breaker_state']}: "
-                                f"store reads/writes are skipped (prefix-cache misses)")
+        state = kv.get("store_breaker_state", "closed")
+        if state == "open":
+            return "degraded", ("the KV store's circuit breaker is open: store reads/writes are skipped "
+                                "(prefix-cache misses)")
+        if state == "half_open":
+            return "degraded", ("the KV store's circuit breaker is half-open: after failures, one trial "
+                                "call at a time goes to the store (closes on success)")
         n, when = self._store_errors
         if n and now - when <= self.degraded_window:
             return "degraded", f"KV store errors in the last {self.degraded_window:g} s (treated as cache misses)"
