@@ -238,3 +238,76 @@ def test_chat_page_needs_no_key_but_the_api_does():
         assert httpx.get(base + "/").status_code == 200
         assert httpx.get(base + "/v1/models").status_code == 401
         assert httpx.get(base + "/v1/models", headers={"authorization": "Bearer sekret"}).status_code == 200
+
+
+# The page's own script, run by node against the live server with a minimal stand-in for the DOM
+# (no browser here): type a message, submit, wait for the streamed reply.
+_NODE_HARNESS = r"""
+const [BASE, PAGE, EFFORT] = process.argv.slice(2);
+class El {
+  constructor(tag) { this.tag = tag; this.value = ""; this.textContent = ""; this.children = [];
+                     this.listeners = {}; this.hidden = false; this.files = []; this.className = "";
+                     this.classes = new Set(); this.classList = { add: (c) => this.classes.add(c) }; }
+  set innerHTML(v) { if (v === "") this.children = []; else this.inner = v; }
+  appendChild(c) { this.children.push(c); if (this.id === "model" && !this.value) this.value = c.value; return c; }
+  append(...cs) { for (const c of cs) this.children.push(c); }
+  addEventListener(type, fn) { this.listeners[type] = fn; }
+  querySelector() { return this.pre || (this.pre = new El("pre")); }
+  requestSubmit() { this.listeners.submit({ preventDefault() {} }); }
+}
+const els = {};
+globalThis.document = {
+  getElementById: (id) => els[id] || (els[id] = Object.assign(new El("input"), { id })),
+  createElement: (tag) => new El(tag), createTextNode: (t) => ({ text: t }) };
+globalThis.localStorage = { getItem: () => null, setItem() {} };
+const realFetch = globalThis.fetch;
+globalThis.fetch = (url, opts) => realFetch(BASE + url, opts);
+const $ = (id) => document.getElementById(id);
+$("max_tokens").value = "8"; $("temperature").value = "0"; $("effort").value = EFFORT;
+eval(require("fs").readFileSync(PAGE, "utf8"));
+(async () => {
+  for (let i = 0; i < 200 && !$("model").value; i++) await new Promise((r) => setTimeout(r, 25));
+  $("input").value = "Say hello.";
+  $("form").requestSubmit();
+  for (let i = 0; i < 2400 && $("send").textContent !== "Stop"; i++) await new Promise((r) => setTimeout(r, 5));
+  for (let i = 0; i < 2400 && $("send").textContent === "Stop"; i++) await new Promise((r) => setTimeout(r, 25));
+  const out = $("log").children[$("log").children.length - 1];
+  const [details, answer, stats] = out.children;
+  console.log(JSON.stringify({ model: $("model").value, answer: answer.textContent, stats: stats.textContent,
+                               reasoning: details.querySelector("pre").textContent,
+                               error: out.classes.has("error"), reasoningShown: !details.hidden }));
+})();
+"""
+
+
+@pytest.mark.parametrize("effort", ["none", "high"])
+def test_chat_page_script_streams_a_reply(ops_app, tmp_path, effort):
+    """The page's script (run by node, a stand-in DOM) sends a message and shows the streamed
+    reply: the same answer and reasoning a non-streaming greedy request returns, with the token
+    count and finish."""
+    import shutil
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    base = ops_app[1]
+    html = httpx.get(base + "/").text
+    page = tmp_path / "page.js"
+    page.write_text(re.search(r"<script>(.*)</script>", html, flags=re.S).group(1), encoding="utf-8")
+    harness = tmp_path / "harness.js"
+    harness.write_text(_NODE_HARNESS, encoding="utf-8")
+    out = subprocess.run([node, str(harness), base, str(page), effort], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    want = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+        "model": got["model"], "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+        "temperature": 0, "reasoning_effort": effort}).json()
+    print("chat page via node:", got)
+    assert not got["error"], got
+    msg = want["choices"][0]["message"]
+    assert got["model"] == MODEL and got["answer"] == (msg.get("content") or "")
+    assert got["reasoningShown"] == bool(msg.get("reasoning_content"))
+    assert got["reasoning"] == (msg.get("reasoning_content") or "")
+    assert f"finish: {want['choices'][0]['finish_reason']}" in got["stats"], got
+    if want["usage"]["completion_tokens"] > 1 and got["answer"]:
+        assert re.search(r"\d+ tokens, [0-9.]+ tokens/s, first token [0-9.]+ s", got["stats"]), got
