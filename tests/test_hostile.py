@@ -374,3 +374,54 @@ def test_health_names_the_half_open_breaker_accurately(hostile_app):
         assert status == "degraded" and "half-open" in reason and "skipped" not in reason
     finally:
         w.snapshot = saved
+
+
+def test_unfinished_headers_are_cut_at_the_header_timeout(hostile_app):
+    """A connection that never finishes its request headers (sent a byte at a time) is closed
+    after the header timeout; a normal keep-alive connection is served."""
+    import socket
+    import time
+
+    import uvicorn
+
+    from cedlm.server.header_timeout import header_timeout_protocol
+    app, _, alone = hostile_app
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off",
+                                           http=header_timeout_protocol(0.5)))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        slow = socket.create_connection(("127.0.0.1", port))
+        t0 = time.monotonic()
+        closed = False
+        for ch in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+            try:
+                slow.sendall(bytes([ch]))
+            except OSError:
+                closed = True
+                break
+            slow.settimeout(0.05)
+            try:
+                if slow.recv(1) == b"":
+                    closed = True
+                    break
+            except socket.timeout:
+                pass
+            if time.monotonic() - t0 > 5:
+                break
+        assert closed and time.monotonic() - t0 < 3, "a slow header was held open"
+        with httpx.Client() as c:                                   # keep-alive: several requests
+            for _ in range(2):
+                assert c.get(f"{base}/health").status_code == 200
+        assert _stream_text(base) == alone
+    finally:
+        server.should_exit = True
+        th.join(10)

@@ -92,6 +92,9 @@ def add_parser(sub) -> None:
                    type=_non_negative, default=256,
                    help="max_tokens of a request that omits it (default 256: seconds on a 2-core CPU; "
                         "0: the rest of the context, as before)")
+    p.add_argument("--header-timeout", "--header_timeout", dest="header_timeout", type=float, default=10.0,
+                   help="seconds a client may take to send a request's headers; then the connection is "
+                        "closed (default 10; server/header_timeout.py)")
     p.add_argument("--log-level", "--log_level", dest="log_level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
@@ -152,7 +155,9 @@ def run(args) -> int:
     table = app.state.aliases
     print(f"cedlm serve: {table.served_name} (names: {', '.join(table.describe())}) on "
           f"http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    from cedlm.server.header_timeout import header_timeout_protocol
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                http=header_timeout_protocol(args.header_timeout))
     if app.state.worker.failed:          # the engine failed for good and shut the server down
         print(f"cedlm serve: the engine failed: {app.state.worker.failed}", file=sys.stderr, flush=True)
         return 1
