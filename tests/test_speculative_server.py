@@ -49,6 +49,9 @@ def test_server_speculative_matches_plain_and_exports_metrics():
     assert vals['cedlm_spec_steps_total{model_name="m"}'] > 0
     assert vals['cedlm_spec_emitted_tokens_total{model_name="m"}'] == 2 * 11     # first tokens: prefill
     assert 'cedlm_spec_acceptance_by_position{model_name="m",position="1"}' in vals
+    # the latency histograms see the speculative requests too (where the speed-up shows)
+    assert vals['cedlm_time_per_output_token_seconds_count{model_name="m"}'] == 2
+    assert vals['cedlm_request_generation_tokens_sum{model_name="m"}'] == 2 * 12
 
 
 def test_llm_options():
