@@ -305,6 +305,8 @@ def test_redis_dies_and_comes_back(tmp_path):
         outs = llm.generate(NEW, SP)
         assert _done(outs) and llm.engine.pool.num_used == 0
         assert len(guard.keys()) == 8                          # NEW's blocks written once it was back
+        assert _done(llm.generate(WARM[:1], SP))               # WARM's blocks: in memory, not in Redis
+        assert len(guard.keys()) == 13                         # written back (issue 26: never were)
         st = llm.stats()
         assert st["store_breaker_state"] == "closed"
         _record("redis_dies_and_returns", {"blocks_in_use_while_down": used, "store_errors": st["store_errors"],

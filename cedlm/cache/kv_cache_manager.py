@@ -58,6 +58,7 @@ class KVCacheManager:
         self.fingerprint, self.enable_prefix_cache = fingerprint, enable_prefix_cache
         self.tables: dict[str, BlockTable] = {}  # request id -> the blocks it holds
         self._stored: set[str] | None = None     # keys known to be in the store
+        self._stored_errors = 0                  # the store's error count when _stored was listed
         self._stats = {"store_block_hits": 0, "store_errors": 0}
         self.store = guard_store(store, stats=self._stats)  # counters and breaker states land in stats
 
@@ -184,8 +185,18 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- store spill
     def _stored_keys(self) -> set[str]:
-        if self._stored is None:                 # start-up: what is there already (none if it fails)
-            self._stored = set(self.store.keys_or_none() or ())
+        """The keys known to be in the store: listed at start-up (none if that fails), and listed
+        again once the store works after failing (it may have come back empty, e.g. a restarted
+        Redis: the blocks still in memory are then written back as they are used)."""
+        counters = getattr(self.store, "counters", {})
+        errors = counters.get("store_errors", 0)
+        relist = self._stored is not None and errors != self._stored_errors \
+            and counters.get("store_breaker_state", "closed") == "closed"
+        if self._stored is None or relist:
+            keys = self.store.keys_or_none()
+            if keys is not None or self._stored is None:
+                self._stored = set(keys or ())
+            self._stored_errors = counters.get("store_errors", 0)
         return self._stored
 
     def _not_stored(self, hashes: list[bytes]) -> None:
