@@ -425,3 +425,11 @@ def test_unfinished_headers_are_cut_at_the_header_timeout(hostile_app):
     finally:
         server.should_exit = True
         th.join(10)
+
+
+def test_openapi_documents_the_temperature_bound_and_token_ids():
+    from cedlm.engine.sampling_params import TEMPERATURE_MAX
+    from cedlm.server.protocol import CompletionRequest, DetokenizeRequest
+    t = CompletionRequest.model_json_schema()["properties"]["temperature"]["anyOf"][0]
+    assert t["maximum"] == TEMPERATURE_MAX
+    assert DetokenizeRequest.model_json_schema()["properties"]["tokens"]["items"]["minimum"] == 0

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 
 from cedlm.server.protocol.checks import check_body, check_logit_bias, check_response_format, check_structured
 from cedlm.server.protocol.params import (
-    GUIDED, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
+    GUIDED, MAX_CACHE_SALT_CHARS, MAX_TEMPERATURE, MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
 )
 
 
@@ -18,7 +18,7 @@ class CommonRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)

@@ -1,7 +1,9 @@
 """vLLM's ``/tokenize`` and ``/detokenize``: requests and responses."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, model_validator
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from cedlm.server.protocol.chat import ChatTemplateFields
 from cedlm.server.protocol.checks import check_body
@@ -40,7 +42,7 @@ class TokenizeRequest(ChatTemplateFields):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
 
     @model_validator(mode="before")
     @classmethod
