@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from cedlm.engine.request import Request, Status
+from cedlm.engine.sampler import ConstraintConflict
 from cedlm.engine.scheduler import RequestRejected
 from cedlm.server.events import Admitted, Delta, Failed, Finished
 
@@ -355,8 +356,10 @@ class EngineWorker:
         if self.max_waiting is None:
             return None
         s = self.engine.snapshot()
-        cannot_admit_now = s.num_waiting > 0 or s.num_running >= s.max_num_seqs
-        return s if s.num_waiting >= self.max_waiting and cannot_admit_now else None
+        # the free sequence slots take waiting requests at the next step: the queue holds
+        # max_waiting beyond them (a burst of requests arrives before that step runs)
+        free = max(0, s.max_num_seqs - s.num_running)
+        return s if s.num_waiting >= self.max_waiting + free else None
 
     def _add(self, sub: _Submit) -> None:
         try:
@@ -438,6 +441,16 @@ class EngineWorker:
 
     def _publish_one(self, o: StepOutput, t: _Track) -> None:
         rid = o.request_id
+        if o.failed and (o.error or "").startswith(ConstraintConflict.__name__ + ":"):
+            # the request's own constraints leave no token (e.g. allowed_token_ids against its
+            # grammar): a 400 for it alone; nothing is wrong with the server (/health stays ready)
+            log.info("request %s: %s", rid, o.error)
+            del self._tracked[rid]
+            self._finished(o)
+            self._send(t, Failed(400, "the request's constraints leave no token to generate: "
+                                      + o.error.split(": ", 1)[1], param="allowed_token_ids",
+                                 code="constraint_conflict"))
+            return
         if o.failed:                              # the engine failed this request's batch: it alone gets the error
             log.error("request %s failed in the engine: %s", rid, o.error or "(no detail)")
             self.errors["request"] += 1
