@@ -94,10 +94,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
     `.scale` tensors) is read by `cedlm.official.load_official_model`: dequantised to float32,
     checked for size first, its report on `model.official_load_report`."""
     ckpt = resolve_checkpoint(path)
-    tokenizer = load_tokenizer(ckpt)
     if is_official_layout(ckpt):
-        model, _ = load_official_model(ckpt)                  # sets the Engram map itself
+        model, _ = load_official_model(ckpt)          # size check first; sets the Engram map itself
+        tokenizer = load_tokenizer(ckpt)
     else:
+        tokenizer = load_tokenizer(ckpt)
         state = read_weights(ckpt)
         # The same components as the official layout: the DSpark drafter when the directory
         # ships mtp.* (mtp.safetensors), the vision tower when it ships its tensors.

@@ -188,6 +188,10 @@ def _prepare(path, memory_bytes, engram_mmap, meta_min_numel):
     qc = quantization_config(cfg)
     check_quant_config(qc, ckpt)
     cfg, dspark = model_config_for(_without(cfg, ("quantization_config",)), infos, ckpt)
+    if cfg.engram_layer_ids and not (ckpt / "tokenizer.json").exists():
+        raise OfficialCheckpointError(
+            f"{ckpt}: no tokenizer.json: the Engram token map (compressed ids) comes from the "
+            "checkpoint's tokenizer")
     model = _build(cfg, meta_min_numel, dspark)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     entries, report = plan_load(ckpt, infos, qc, files, expected)
@@ -250,13 +254,8 @@ def _set_token_map(model: nn.Module, ckpt: Path) -> None:
     every layout): without it the model would hash the identity map."""
     from cedlm.text.engram_map import set_token_map
     from cedlm.text.tokenizer import load_tokenizer
-    if not model.cfg.engram_layer_ids:
-        return
-    if not (ckpt / "tokenizer.json").exists():
-        raise OfficialCheckpointError(
-            f"{ckpt}: no tokenizer.json: the Engram token map (compressed ids) comes from the "
-            "checkpoint's tokenizer")
-    set_token_map(model, load_tokenizer(ckpt))
+    if model.cfg.engram_layer_ids:                   # tokenizer.json: checked in _prepare
+        set_token_map(model, load_tokenizer(ckpt))
 
 
 def _release_freed_memory() -> None:
