@@ -142,7 +142,7 @@ class Engine:
             self.requests[r.request_id] = r
             self.runs[r.request_id] = SequenceRuntime(
                 StopChecker(r.params, eos_token_id=eos), make_generator(r.params.seed),
-                self.tokenizer.stream() if self.tokenizer is not None else None)
+                self.tokenizer.stream(skip_special=r.params.skip_special_tokens) if self.tokenizer is not None else None)
         self.runs[reqs[0].request_id].forks = reqs[1:]
         self.counters["prompt_tokens"] += len(ids)
         return reqs

@@ -51,6 +51,10 @@ class SamplingParams:
     ignore_eos: keep generating past the tokenizer's EOS.
     logprobs: None = off; 0 = logprob of the sampled token; k > 0 = also the top-k alternatives.
     include_stop_str_in_output: keep the matched stop string / stop token text in the output.
+    skip_special_tokens: leave special tokens (BOS, EOS, the turn and task markers; not
+        ``<think>`` / ``</think>``: ``cedlm.text.special_tokens.KEEP_ON_SKIP``) out of the text, as
+        vLLM's option of that name (the token ids and logprobs still carry them). Off by default
+        here (the engine's text is the exact decode); the HTTP server defaults it to on, as vLLM.
     cache_salt: prefix-cache isolation (as vLLM's ``cache_salt``): requests share cached prefix
         blocks only when their salts are equal (None shares with other unsalted requests).
 
@@ -106,6 +110,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = False
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
     n: int = 1
@@ -165,6 +170,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(
                 f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}"

@@ -18,7 +18,9 @@ came). In chat mode everything is `content`.
 Tools (`tools.py`): with tool_choice "auto" (the default when tools are given) tool calls are
 parsed from the V4.1 `<｜DSML｜ calls>` block, streaming (`DSMLStream`: each call is sent as a
 `tool_calls` delta once its invoke closes) or not; "required" or a named function constrains the
-output to JSON naming the call(s) (the finish reason is then "tool_calls"); "none" parses nothing.
+output to JSON naming the call(s) (the finish reason is then "tool_calls"; a call cut by max_tokens
+is returned with its partial arguments and finish reason "length", as vLLM; never as content);
+"none" parses nothing.
 `response_format` (json_object, json_schema) and vLLM's structured outputs constrain the content
 (`constrain.py`; in thinking mode, from the first `</think>` on).
 
@@ -48,7 +50,7 @@ from cedlm.server.protocol import (
 )
 from cedlm.server.state import ServerState, finite_logprob
 from cedlm.server.streaming import Group, Output, sse
-from cedlm.server.tools import DSMLStream, ForcedStream, forced_schema, parse_forced, with_ids
+from cedlm.server.tools import CUT_REFUSAL, DSMLStream, ForcedStream, forced_schema, with_ids
 from cedlm.server.worker import Delta, Finished
 from cedlm.text.chat import (
     EOS, THINK_END, THINK_START, encode_chat_parts, parse_assistant, parse_tool_calls, tokenize_parts,
@@ -200,11 +202,14 @@ async def chat(body: ChatCompletionRequest, raw: Request):
                      completion_tokens_details=CompletionTokensDetails(
                          reasoning_tokens=sum(reasoning_tokens(srv, o, thinking) for o in outs_ids)))
 
-    def calls_of(content: str) -> tuple[str | None, list[dict]]:
-        """(content left, tool calls) of a finished choice's content."""
+    def calls_of(content: str, reason: str | None) -> tuple[str | None, list[dict]]:
+        """(content left, tool calls) of a finished choice's content. A forced call is never
+        content: cut by max_tokens, it comes back with its arguments as far as generated
+        (tools.py, ForcedStream.cut)."""
         if forced:
-            calls = parse_forced(content, body.tool_choice, parallel)
-            return (None, calls) if calls else (content, [])
+            stream = ForcedStream(body.tool_choice, parallel)
+            calls = stream.feed(content)
+            return None, calls + (stream.cut() if reason == "length" else [])
         if auto:
             rest, calls = parse_tool_calls(content)
             return rest, (calls if parallel else calls[:1])
@@ -218,11 +223,12 @@ async def chat(body: ChatCompletionRequest, raw: Request):
         for i, out in enumerate(best(outs, body.n)):
             reason = out.finish_reason
             reasoning, content = parse_assistant(out.text, thinking=True) if thinking else ("", out.text)
-            content, calls = calls_of(content)
+            content, calls = calls_of(content, reason)
             if calls and reason == "stop":
                 reason = "tool_calls"
             msg = AssistantMessage(content=content, reasoning_content=reasoning if thinking else None,
-                                   tool_calls=with_ids(calls) if calls else None)
+                                   tool_calls=with_ids(calls) if calls else None,
+                                   refusal=CUT_REFUSAL if forced and not calls and reason == "length" else None)
             lp = (ChoiceLogprobs(content=chat_logprobs(srv, out.token_ids, out.logprobs, out.top_logprobs))
                   if body.logprobs else None)
             choices.append(ChatChoice(index=i, message=msg, logprobs=lp, finish_reason=reason))
@@ -275,10 +281,14 @@ async def chat(body: ChatCompletionRequest, raw: Request):
         else:
             dr, dc = st.split.finish()
         dc, calls = st.content(dc, final)
+        if final and st.forced is not None and ev.reason == "length":     # the call max_tokens cut
+            calls += st.forced.cut()
         if dr or dc or lp is not None:
             yield chunk(k, DeltaMessage(reasoning_content=dr or None, content=dc or None), logprobs=lp)
         if calls:
             yield chunk(k, DeltaMessage(tool_calls=st.tool_deltas(calls)))
+        if final and st.forced is not None and not st.n_calls and ev.reason == "length":
+            yield chunk(k, DeltaMessage(refusal=CUT_REFUSAL))
         if final:
             reason = "tool_calls" if st.n_calls and ev.reason == "stop" else ev.reason
             yield chunk(k, DeltaMessage(), finish=reason)

@@ -158,7 +158,8 @@ class ServerState:
             top_k=0 if body.top_k is None else body.top_k,
             seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos, logprobs=logprobs,
-            include_stop_str_in_output=body.include_stop_str_in_output, cache_salt=body.cache_salt)
+            include_stop_str_in_output=body.include_stop_str_in_output, cache_salt=body.cache_salt,
+            skip_special_tokens=body.skip_special_tokens)
         native = {"n": (body.n, 1), "best_of": (body.best_of, None),
                   "presence_penalty": (body.presence_penalty, 0.0), "frequency_penalty": (body.frequency_penalty, 0.0),
                   "repetition_penalty": (body.repetition_penalty, 1.0), "logit_bias": (body.logit_bias or None, None),

@@ -15,6 +15,13 @@ Two ways a tool call is produced:
   as its item closes (an array cut short by max_tokens still yields its complete calls; the
   finish reason then stays "length").
 
+A forced call cut by max_tokens is never returned as plain ``content`` (LangChain's structured
+output would quietly read ``None``). As vLLM does for a named function, the cut call is returned
+in ``tool_calls`` with the arguments as far as they were generated (not valid JSON, so a client
+that parses them sees the error) and the finish reason stays "length" (``ForcedStream.cut``);
+for "required" the same holds once the cut item's name is complete. Cut before any function name
+was generated, there is no call to return: the message carries a ``refusal`` saying so.
+
 "none" keeps the tools in the prompt and parses nothing.
 """
 from __future__ import annotations
@@ -178,6 +185,31 @@ class ForcedStream:
                 self.n += 1
                 out.append(_call(v["name"], v.get("parameters", {})))
         return out
+
+
+    _CUT_ITEM = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*(.*)\Z', re.S)
+
+    def cut(self) -> list[dict]:
+        """The call cut short by max_tokens (after every complete one was fed), with its arguments
+        as far as generated: for a named function, the unfinished arguments object; for
+        "required", the unfinished array item once its name is complete. [] when there is none."""
+        if self.named is not None:
+            return [] if self.n else [{"type": "function", "function": {"name": self.named,
+                                                                        "arguments": self.text.strip()}}]
+        if not self.parallel and self.n:
+            return []
+        m = self._CUT_ITEM.search(self.text, self.pos)
+        if m is None:
+            return []
+        try:
+            name = json.loads(f'"{m.group(1)}"')
+        except ValueError:
+            return []
+        return [{"type": "function", "function": {"name": name, "arguments": m.group(2).rstrip()}}]
+
+
+CUT_REFUSAL = ("the forced tool call was cut by max_tokens before its function name was generated; "
+               "raise max_tokens")
 
 
 def parse_forced(text: str, tool_choice: Any, parallel: bool = True) -> list[dict]:

@@ -30,6 +30,7 @@ class CommonRequest(BaseModel):
     min_tokens: StrictInt = Field(default=0, ge=0)
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True      # vLLM's default: special tokens left out of the text
     stream: StrictBool = False
     stream_options: "StreamOptions | None" = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

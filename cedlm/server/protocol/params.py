@@ -68,6 +68,7 @@ HONOURED: dict[str, str] = {
     "seed": "sample i uses seed + i", "stop": f"up to {MAX_STOP} strings", "stop_token_ids": "vLLM",
     "min_tokens": "vLLM; EOS and stop_token_ids banned before", "ignore_eos": "vLLM",
     "include_stop_str_in_output": "vLLM", "stream": "SSE",
+    "skip_special_tokens": "vLLM; default true: special tokens (EOS, turn markers) left out of the text",
     "stream_options": "include_usage; continuous_usage_stats (vLLM: usage on every chunk)",
     "presence_penalty": "[-2, 2]", "frequency_penalty": "[-2, 2]", "repetition_penalty": "vLLM; > 0",
     "logit_bias": "{token id: bias in [-100, 100]}", "allowed_token_ids": "vLLM",

@@ -43,6 +43,7 @@ class AssistantMessage(BaseModel):
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    refusal: str | None = None          # a forced tool call cut before its name (server/tools.py)
 
 
 class ChatChoice(BaseModel):
@@ -67,6 +68,7 @@ class DeltaMessage(BaseModel):
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None     # [{"index", "id", "type", "function": {...}}]
+    refusal: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
