@@ -179,7 +179,7 @@ def test_throughput_line_only_while_busy():
 # --------------------------------------------------------------------------- 5. unsupported routes, version
 
 
-@pytest.mark.parametrize("path,words", [("/v1/embeddings", "embedding"), ("/v1/responses", "Responses API"),
+@pytest.mark.parametrize("path,words", [("/v1/embeddings", "embedding"), ("/v1/responses/resp_1", "not stored"),
                                         ("/v1/audio/transcriptions", "audio"), ("/v1/moderations", "moderation")])
 def test_unsupported_routes_answer_a_clear_501(ops_app, path, words):
     r = httpx.post(ops_app[1] + path, json={"model": MODEL, "input": "hi"})

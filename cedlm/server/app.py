@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: `create_app(llm_or_engine, ...)` -> FastAPI app.
 
-Routes: POST /v1/chat/completions (`chat`), POST /v1/completions (`completions`), both streaming
-over SSE or not; GET /v1/models, GET /v1/models/{id}, POST /tokenize and POST /detokenize (vLLM's
+Routes: POST /v1/chat/completions (`chat`), POST /v1/completions (`completions`), POST
+/v1/responses (`responses`: the Responses API, run through the chat path), each streaming over SSE
+or not; GET /v1/models, GET /v1/models/{id}, POST /tokenize and POST /detokenize (vLLM's
 shapes), GET /health, GET /metrics (Prometheus text format), here; GET /version and 501 / 404 for
 other /v1 routes (`unsupported.py`), the chat page at GET / (`ui/`). Request ids, the per-request
 and throughput log lines: `tracing.py`; latency histograms: `latency.py`. Behaviour follows vLLM's
@@ -33,7 +34,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from cedlm.server import chat, completions
+from cedlm.server import chat, completions, responses
 from cedlm.server.aliases import AliasTable
 from cedlm.server.auth import APIKeyMiddleware
 from cedlm.server.chat import EFFORT_HEADER, ReasoningSplitter, encode_messages
@@ -55,8 +56,8 @@ __all__ = ["create_app", "api_key_from_env", "ReasoningSplitter", "EFFORT_HEADER
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 log = logging.getLogger("cedlm.server")
 
-_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-           "/detokenize", "/version", "/"}
+_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
+           "/tokenize", "/detokenize", "/version", "/"}
 
 models_router = APIRouter()
 ops_router = APIRouter()
@@ -293,6 +294,7 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     app.include_router(models_router, dependencies=auth)
     app.include_router(chat.router, dependencies=auth)
     app.include_router(completions.router, dependencies=auth)
+    app.include_router(responses.router, dependencies=auth)     # the Responses API, via the chat path
     app.include_router(version_router)
     app.include_router(ui_router)                     # the chat page at / (server/ui/)
     app.include_router(unsupported_router)            # 501 naming what cedlm serves instead

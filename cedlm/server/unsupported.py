@@ -1,7 +1,7 @@
 """Clear answers for the OpenAI routes cedlm does not serve, and the routes that say what it is.
 
 Clients probe more of the OpenAI API than cedlm implements (the openai SDK, LangChain, litellm and
-node reach `/v1/embeddings`; newer SDKs `/v1/responses`). Instead of a bare `404 Not Found`, each
+node reach `/v1/embeddings`; `/v1/responses/{id}` for stored responses, which cedlm does not keep). Instead of a bare `404 Not Found`, each
 such route answers `501` in the OpenAI error shape (code `unsupported_endpoint`) with a message
 saying what it is, that cedlm does not serve it, and what it serves (`SERVED`). Any other unknown
 path is a 404 saying what cedlm serves (`not_found_message`, used by errors.py's 404 handler).
@@ -19,16 +19,15 @@ from cedlm.server.errors import APIError
 
 __all__ = ["SERVED", "UNSUPPORTED", "not_found_message", "unsupported_router", "version_router"]
 
-SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, POST /detokenize, "
-          "GET /health, GET /metrics, GET /version, and the chat page at GET /")
+SERVED = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models, POST /tokenize, "
+          "POST /detokenize, GET /health, GET /metrics, GET /version, and the chat page at GET /")
 
 _GENERATIVE = "cedlm serves one generative language model"
 # path (a prefix when it ends with "/") -> what it is and why cedlm does not serve it
 UNSUPPORTED: dict[str, str] = {
     "/v1/embeddings": f"embeddings: {_GENERATIVE}, not an embedding model, so it has no embedding output",
-    "/v1/responses": "the Responses API is not implemented; send the same conversation to "
-                     "/v1/chat/completions (messages, reasoning_effort, tools, response_format, stream)",
-    "/v1/responses/": "the Responses API is not implemented (see /v1/chat/completions)",
+    "/v1/responses/": "responses are not stored, so they cannot be retrieved, cancelled or deleted "
+                      "(POST /v1/responses answers them whole or streamed)",
     "/v1/moderations": f"moderations: {_GENERATIVE}, not a moderation classifier",
     "/v1/audio/": f"audio: {_GENERATIVE} with text (and image) input only",
     "/v1/images/": f"image generation: {_GENERATIVE}; images are accepted as input on /v1/chat/completions",

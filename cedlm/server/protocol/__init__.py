@@ -38,7 +38,8 @@ strings of at most ``MAX_STOP_CHARS`` characters each, ``MAX_STOP_TOKEN_IDS`` st
 The package, one concept a module: ``params`` (limits, effort tiers, the honoured / refused
 parameter tables), ``checks`` (shape checks of request values), ``common`` (the fields both
 generation endpoints share), ``chat``, ``completions``, ``tokenize`` (requests of each endpoint),
-``responses`` (response shapes), ``errors`` (the OpenAI error shape). Every public name is
+``responses`` (response shapes), ``errors`` (the OpenAI error shape); ``responses_api`` (the
+Responses API request and its translation to a chat request; imported from its module). Every public name is
 re-exported here: import from ``cedlm.server.protocol``.
 """
 from __future__ import annotations
