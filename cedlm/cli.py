@@ -18,11 +18,23 @@ COMMANDS = [
 ]
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A sub-command's parser: an argument it does not know is reported with this sub-command's
+    usage (`cedlm serve: error: unrecognized arguments: --bogus`). Plain argparse leaves them to the
+    top-level parser, which prints `cedlm`'s usage and no hint of the sub-command's flags."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     from cedlm import __version__
     parser = argparse.ArgumentParser(prog="cedlm", description=__doc__)
     parser.add_argument("--version", action="version", version=f"cedlm {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     for mod, attr in COMMANDS:
         try:
             hook = getattr(importlib.import_module(mod), attr)

@@ -39,7 +39,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     add_cli_args(g, skip=BENCH_SKIPS, **{f: None for f in EngineConfig.__dataclass_fields__})
     p.add_argument("--dspark-model", type=Path, default=None, metavar="DIR",
                    help="dspark figure: the model dir with its trained drafter (mtp.safetensors; "
-                        "default runs/dspark/export)")
+                        "default runs/dspark/export when it has one, else the shipped cedlm/assets/model)")
     p.set_defaults(func=run)
 
 

@@ -1,7 +1,8 @@
 """DSpark speculative decoding against the same engine without it (greedy, batch 1 and 8).
 
-The model with its trained drafter, against the same engine without DSpark. The model is `--dspark-model DIR` (default `runs/dspark/export`, made by `cedlm train dspark
-... --export`): the target plus its `mtp.safetensors`. Prompts are the openings of held-out corpus
+The model with its trained drafter, against the same engine without DSpark. The model is `--dspark-model DIR`
+(default `runs/dspark/export`, made by `cedlm train dspark ... --export`, when it holds a drafter; else
+the shipped `cedlm/assets/model` and its `mtp.safetensors`): the target plus its drafter. Prompts are the openings of held-out corpus
 documents (`data/corpus/val.txt`). Each configuration runs the same prompts through a fresh
 `Engine` (same settings, prefix cache off): plain decoding; DSpark verifying the whole block
 (threshold 0); DSpark with confidence-scheduled verification (the verified length follows the
@@ -71,9 +72,20 @@ def _merge_stats(a, b):
     return a
 
 
+def model_dir(chosen: Path | None) -> Path:
+    """The model the figure measures: the one asked for; else a trained export in `DEFAULT_MODEL`
+    when it holds a drafter; else the shipped model (it ships `mtp.safetensors`)."""
+    if chosen is not None:
+        return Path(chosen)
+    if (DEFAULT_MODEL / "mtp.safetensors").exists():
+        return DEFAULT_MODEL
+    from cedlm.engine.loader import DEFAULT_MODEL as SHIPPED
+    return SHIPPED
+
+
 def run(ctx: Ctx) -> dict:
     from cedlm.checkpoint import load_model
-    path = Path(getattr(ctx, "dspark_model", None) or DEFAULT_MODEL)
+    path = model_dir(getattr(ctx, "dspark_model", None))
     if not (path / "mtp.safetensors").exists():
         return {"skipped": f"no trained drafter at {path} (mtp.safetensors): run `cedlm train dspark "
                            f"--export {path}` or pass --dspark-model DIR",

@@ -30,10 +30,17 @@ def _ppl(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     text = _read(args.text)
-    model, tok, name = resolve_model(args.model)
-    seq_len = args.seq_len or trained_seq_len(name) or DEFAULT_SEQ_LEN
-    res = evaluate_ppl(model, tok, text, seq_len=seq_len, batch_size=args.batch_size,
-                       progress=not args.json and sys.stderr.isatty(), model_name=name)
+    if not text.strip():                     # before loading the model: one line, no traceback
+        print(f"cedlm eval ppl: error: text: {args.text} is empty; nothing to score", file=sys.stderr)
+        return 2
+    try:
+        model, tok, name = resolve_model(args.model)
+        seq_len = args.seq_len or trained_seq_len(name) or DEFAULT_SEQ_LEN
+        res = evaluate_ppl(model, tok, text, seq_len=seq_len, batch_size=args.batch_size,
+                           progress=not args.json and sys.stderr.isatty(), model_name=name)
+    except (ValueError, FileNotFoundError) as e:       # e.g. too short to score, no such model
+        print(f"cedlm eval ppl: error: {e}", file=sys.stderr)
+        return 2
     res["seq_len"] = seq_len
     _print(res, args.json)
     return 0

@@ -147,6 +147,9 @@ def run(args) -> int:
     configure_logging(args.log_level)
     try:
         app = build_app(args)
+    except FileNotFoundError as e:                  # --model names no checkpoint dir nor preset
+        print(f"cedlm serve: error: {e}", file=sys.stderr, flush=True)
+        return 2
     except ValueError as e:
         if not str(e).startswith(("speculative", "num_draft_tokens")):
             raise
