@@ -1,0 +1,67 @@
+"""guidellm (0.8.1) against `cedlm serve` (issue 30 item 1): a few seconds of its streaming chat
+load (synchronous profile, synthetic 32-token prompts, 16 output tokens), which sends
+`stream_options: {"include_usage": true, "continuous_usage_stats": true}`. Every request must
+succeed and guidellm must have measured time to first token and inter-token latency.
+
+guidellm is installed by .ci/run (`pip install --no-deps -r .ci/guidellm-requirements.txt`, which
+says why not as a pyproject extra); found as `$CEDLM_GUIDELLM`, else `guidellm` beside this
+Python, else on PATH. Without it the test skips, or fails when CEDLM_REQUIRE_GUIDELLM=1 (CI).
+About 20 s (model load, 5 s of load, guidellm's start-up).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import _free_port, stop_process, wait_healthy
+from cedlm.engine.loader import DEFAULT_MODEL
+
+SECONDS = 5
+
+
+def guidellm_exe() -> str:
+    exe = (os.environ.get("CEDLM_GUIDELLM") or shutil.which("guidellm", path=str(Path(sys.executable).parent))
+           or shutil.which("guidellm"))
+    if exe is None:
+        reason = "guidellm is not installed (pip install --no-deps -r .ci/guidellm-requirements.txt)"
+        if os.environ.get("CEDLM_REQUIRE_GUIDELLM") == "1":
+            pytest.fail(f"CEDLM_REQUIRE_GUIDELLM=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+    return exe
+
+
+def test_guidellm_streaming_run_against_cedlm_serve(tmp_path):
+    exe = guidellm_exe()
+    port = _free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "cedlm.cli", "serve", "--port", str(port),
+                                 "--threads", "1", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            assert wait_healthy(base, lambda: proc.poll() is None, 60, 0.1), log_path.read_text(errors="replace")
+            out = tmp_path / "benchmarks.json"
+            run = subprocess.run(
+                [exe, "run", "--backend", f"kind=openai_http,target={base}", "--profile", "kind=synchronous",
+                 "--constraint", f"kind=max_duration,seconds={SECONDS}",
+                 "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
+                 "--tokenizer", f"kind=huggingface_auto,model={DEFAULT_MODEL}",
+                 "--output", f"kind=json,path={out}", "--disable-console-interactive"],
+                capture_output=True, text=True, timeout=180, cwd=tmp_path)
+            assert run.returncode == 0 and out.exists(), (run.stdout[-3000:], run.stderr[-3000:])
+        finally:
+            stop_process(proc, 15)
+    m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
+    totals = m["request_totals"]
+    ttft, itl = m["time_to_first_token_ms"]["successful"], m["inter_token_latency_ms"]["successful"]
+    print(f"guidellm: {totals}, TTFT mean {ttft['mean']:.1f} ms, ITL mean {itl['mean']:.1f} ms")
+    # at most one incomplete: the request in flight when max_duration ends is cancelled by guidellm
+    assert totals["errored"] == 0 and totals["incomplete"] <= 1 and totals["successful"] >= 2, totals
+    assert ttft["count"] == totals["successful"] and ttft["mean"] > 0
+    assert itl["count"] > 0 and itl["mean"] > 0
