@@ -289,6 +289,46 @@ def test_one_request_cannot_take_every_slot(hostile_app):
     assert r.status_code == 200 and len(r.json()["choices"]) == cap
 
 
+def test_a_request_of_many_prompts_leaves_a_fair_share_to_a_bystander():
+    """Fair share (issue 26 item 6): a request of 16 prompts on 8 slots runs at most 4 of its
+    sequences at once (the scheduler's per-owner share), so a 4-token request sent while it runs
+    is admitted at once and done while the big one still runs; the big request's outputs equal
+    running it alone, and the KV blocks return to 0."""
+    import time
+    app = make_app(max_num_seqs=8, max_waiting=32)
+    big = {"model": MODEL, "prompt": [f"prompt number {i} says" for i in range(16)], "max_tokens": 24,
+           "temperature": 0, "ignore_eos": True}
+    small = {"model": MODEL, "prompt": "a bystander", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    texts = lambda r: [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]  # noqa: E731
+    with serve(app) as base:
+        t0 = time.monotonic()
+        alone = texts(_post(base, "/v1/completions", big))
+        big_alone_s = time.monotonic() - t0
+        small_alone = texts(_post(base, "/v1/completions", small))
+        got: dict = {}
+        th = threading.Thread(target=lambda: got.setdefault("r", _post(base, "/v1/completions", big)))
+        th.start()
+        most = 0
+        while th.is_alive():                       # until the big request runs
+            most = app.state.worker.call(lambda e: sum(r.owner is not None for r in e.scheduler.active)).result(5)
+            if most:
+                break
+            time.sleep(0.01)
+        t1 = time.monotonic()
+        r = _post(base, "/v1/completions", small)
+        small_s = time.monotonic() - t1
+        big_running = th.is_alive()
+        most = max(most, app.state.worker.call(
+            lambda e: sum(r.owner is not None for r in e.scheduler.active)).result(5))
+        th.join(120)
+        assert r.status_code == 200 and texts(r) == small_alone, r.text
+        assert big_running, f"the bystander ({small_s:.2f} s) waited for the whole big request"
+        assert small_s < big_alone_s / 2, (small_s, big_alone_s)
+        assert 0 < most <= 4
+        assert got["r"].status_code == 200 and texts(got["r"]) == alone
+        assert engine_idle(app) == (0, 0, 0, 0)
+
+
 # =========================================================================== 7. contradictory constraints
 
 

@@ -340,3 +340,47 @@ def test_lookahead_is_reserved_through_the_scheduler_and_released():
     assert s.reserve_lookahead([x, y], 6) and a.held["y"] == 4
     s._preempt(y, out)                                # noqa: SLF001 - preemption, as schedule() does it
     assert "y" not in a.held and y.num_computed_tokens == 0 and y.status is Status.WAITING
+
+
+def test_one_owner_runs_at_most_its_share_and_a_bystander_is_admitted_at_once():
+    """Fair share (issue 26 item 6): the 16 prompts of one request (one owner) run at most
+    `max_seqs_per_owner` (half of 8 slots) at a time; a small request arriving behind all of
+    them is admitted at the next step, and the big request's prompts still all finish."""
+    a = FakeAlloc(1000, 4)
+    s = Scheduler(a, num_blocks=1000, block_tokens=4, max_num_seqs=8, prefill_chunk=64, max_model_len=100)
+    assert s.max_seqs_per_owner == 4
+    big = [mk(f"big-p{i}", 6, max_tokens=30) for i in range(16)]
+    for r in big:
+        r.owner = "big"
+        s.add(r)
+    run_step(s, s.schedule())
+    assert [r.request_id for r in s.active] == [f"big-p{i}" for i in range(4)]
+    by = mk("bystander", 4, max_tokens=4)
+    s.add(by)
+    out = s.schedule()
+    assert by in out.admitted and by.first_scheduled_time is not None
+    run_step(s, out)
+    most = 0
+    while s.has_work:
+        run_step(s, s.schedule())
+        most = max(most, sum(r.owner == "big" for r in s.active))
+    assert most == 4 and by.finished and all(r.finished for r in big) and a.nfree == 1000
+
+
+def test_forks_respect_the_owner_share():
+    """A sample forked from its prompt's prefill counts against its owner's share: no fork while
+    the owner holds it; without an owner nothing is capped."""
+    a = FakeAlloc(100, 4)
+    a.fork = lambda src, dst, n: True
+    s = Scheduler(a, num_blocks=100, block_tokens=4, max_num_seqs=4, prefill_chunk=64, max_model_len=100,
+                  max_seqs_per_owner=1)
+    src, dst = mk("g-0", 4), mk("g-1", 4)
+    src.owner = dst.owner = "g"
+    s.add(src)
+    run_step(s, s.schedule())
+    assert not s.fork(src, dst, 4) and len(s.active) == 1
+    dst.owner = None
+    assert s.fork(src, dst, 4) and len(s.active) == 2
+    with pytest.raises(ValueError, match="max_seqs_per_owner"):
+        Scheduler(a, num_blocks=1, block_tokens=4, max_num_seqs=2, prefill_chunk=4, max_model_len=8,
+                  max_seqs_per_owner=0)

@@ -108,7 +108,7 @@ class Engine:
         return self.add_samples(prompt_ids, params, request_id, images)[0]
 
     def add_samples(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, images=None) -> list[Request]:
+                    request_id: str | None = None, images=None, owner: str | None = None) -> list[Request]:
         """The `params.num_samples` (best_of, else n) samples of one prompt, one Request each:
         ids `request_id` for a single sample, else `{request_id}-{i}`; all carry `group_id =
         request_id` and `sample_index = i`, and sample i runs under `params.for_sample(i)` (seed +
@@ -119,7 +119,9 @@ class Engine:
         front and prefills on its own (prefix-cache hit when the cache is on). Pick the returned
         ones with `request.select_samples(samples, params.n)` once all finished; abort a group by
         aborting every sample's id. `images` (vision models): one per image placeholder in the
-        prompt, in order (`cedlm.engine.images.expand`)."""
+        prompt, in order (`cedlm.engine.images.expand`). `owner`: the caller's request these
+        samples belong to (several prompts of one server request share one), whose sequences
+        run at most `Scheduler.max_seqs_per_owner` at once (None: not capped)."""
         params = params or SamplingParams()
         req_images = []
         if images:
@@ -133,7 +135,7 @@ class Engine:
         gid = request_id or f"req-{next(self._ids)}"
         k = params.num_samples
         reqs = [Request(gid if k == 1 else f"{gid}-{i}", list(ids), params.for_sample(i), group_id=gid,
-                        sample_index=i, images=req_images) for i in range(k)]
+                        sample_index=i, images=req_images, owner=owner) for i in range(k)]
         for r in reqs:
             self.scheduler.check(r)
         self.scheduler.add(reqs[0])

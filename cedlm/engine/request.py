@@ -55,6 +55,9 @@ class Request:
     # samples of one prompt (SamplingParams.n / best_of; Engine.add_samples)
     group_id: str | None = None          # the id the caller gave the prompt (= request_id for one sample)
     sample_index: int = 0
+    # the caller's request the sequence belongs to (a server request of several prompts x n);
+    # the scheduler runs at most `max_seqs_per_owner` sequences of one owner at once (None: no cap)
+    owner: str | None = None
     images: list[RequestImage] = field(default_factory=list)   # one per image span (engine/images.py)
     # ---- the scheduler's decisions
     status: Status = Status.WAITING

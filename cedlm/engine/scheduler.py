@@ -12,6 +12,11 @@ chunks share the rest, at least one chunk per step whatever the decodes took:
   prefill chunk never waits on memory, so several prefills in flight can never deadlock on
   each other's partial reservations; a head of the queue that does not fit stops admission
   (first come, first served: a large request is never passed over for ever).
+- fair share: the sequences of one owner (`Request.owner`, the server's HTTP request: its
+  prompts x n samples) run at most `max_seqs_per_owner` at a time (default half the slots);
+  its other sequences wait, passed over by admission (and by `fork`) while the owner holds its
+  share, so one request of many prompts never holds every slot and a small request arriving
+  behind it is admitted at once. Requests without an owner are not capped.
 - chunks go shortest-remaining-first (ties: admission order), so a short prompt admitted behind
   a long one is prefilled in the next step or two instead of after all of it; a request passed
   over `max_prefill_wait` steps in a row goes first (the longest-waiting first), so a long
@@ -74,7 +79,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv, *, num_blocks: int, block_tokens: int, max_num_seqs: int,
                  prefill_chunk: int, max_model_len: int, max_batched_tokens: int | None = None,
-                 max_prefill_wait: int = 2):
+                 max_prefill_wait: int = 2, max_seqs_per_owner: int | None = None):
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs: must be positive, got {max_num_seqs}")
         if prefill_chunk <= 0:
@@ -83,11 +88,14 @@ class Scheduler:
             raise ValueError(f"max_batched_tokens: must be positive, got {max_batched_tokens}")
         if max_prefill_wait < 0:
             raise ValueError(f"max_prefill_wait: must be >= 0, got {max_prefill_wait}")
+        if max_seqs_per_owner is not None and max_seqs_per_owner <= 0:
+            raise ValueError(f"max_seqs_per_owner: must be positive, got {max_seqs_per_owner}")
         self.kv = kv
         self.num_blocks, self.block_tokens = num_blocks, block_tokens
         self.max_num_seqs, self.prefill_chunk, self.max_model_len = max_num_seqs, prefill_chunk, max_model_len
         self.max_batched_tokens = max_batched_tokens or prefill_chunk + max_num_seqs
         self.max_prefill_wait = max_prefill_wait
+        self.max_seqs_per_owner = max_seqs_per_owner or max(1, max_num_seqs // 2)
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []          # admitted (prefilling or running), admission order
         self._passed_over: dict[int, int] = {}   # id(prefilling request) -> steps passed over in a row
@@ -128,6 +136,13 @@ class Scheduler:
     def has_free_slot(self) -> bool:
         return len(self.active) < self.max_num_seqs
 
+    def _active_of(self, owner: str) -> int:
+        return sum(r.owner == owner for r in self.active)
+
+    def over_share(self, req: Request) -> bool:
+        """True when req's owner already runs its share (`max_seqs_per_owner`) of the slots."""
+        return req.owner is not None and self._active_of(req.owner) >= self.max_seqs_per_owner
+
     def start_running(self, req: Request, num_computed_tokens: int) -> None:
         """Admit a request whose KV the engine has already put in place (a sample started from a
         copy of another sample's prefill, `num_computed_tokens` positions): it holds its blocks
@@ -141,7 +156,7 @@ class Scheduler:
         """Start dst running from src's first num_tokens positions (a sample of the same prompt:
         src's full blocks shared, the partial one copied); False (nothing taken) when there is
         no free sequence slot or block."""
-        if not self.has_free_slot or not self.kv.fork(src, dst, num_tokens):
+        if not self.has_free_slot or self.over_share(dst) or not self.kv.fork(src, dst, num_tokens):
             return False
         self.start_running(dst, num_tokens)
         return True
@@ -235,7 +250,8 @@ class Scheduler:
                 self._preempt(victims[-1], out)           # most recently admitted
             else:
                 out.decode.append(req)
-        # 2. admission: in arrival order, while a slot is free and the whole sequence fits.
+        # 2. admission: in arrival order, while a slot is free and the whole sequence fits
+        #    (an owner past its share passed over).
         out.admitted = self._admit()
         # 3. prefill chunks: the budget left after the decodes, shortest remaining first, the
         #    ones passed over too long before everyone.
@@ -243,15 +259,22 @@ class Scheduler:
         return out
 
     def _admit(self) -> list[Request]:
+        """Admit waiting requests in arrival order while a slot is free; one whose owner holds
+        its share is passed over (it waits for its own request's sequences, not for others), a
+        head that does not fit in memory stops admission."""
         admitted = []
-        while self.waiting and len(self.active) < self.max_num_seqs:
-            cand = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and len(self.active) < self.max_num_seqs:
+            cand = self.waiting[i]
+            if self.over_share(cand):
+                i += 1
+                continue
             self._lookup(cand)
             if not self.kv.allocate_slots(cand, cand.num_tokens):
                 self._release(cand)                       # not now: wait for memory
                 cand.num_computed_tokens = cand.num_cached_tokens = 0
                 return admitted
-            self.waiting.popleft()
+            del self.waiting[i]
             cand.status = Status.PREFILLING
             self._first_scheduled(cand)
             self.active.append(cand)

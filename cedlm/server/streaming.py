@@ -109,8 +109,9 @@ class Group:
     def submit(self) -> None:
         for p, (ids, params) in enumerate(self.prompts):
             gid = self.rid if len(self.prompts) == 1 else f"{self.rid}-p{p}"
+            owner = self.rid if len(self.prompts) > 1 else None    # fair share (server/worker.py)
             qs = (self.worker.submit_samples(gid, ids, params, images=self.images) if self.images
-                  else self.worker.submit_samples(gid, ids, params))
+                  else self.worker.submit_samples(gid, ids, params, owner=owner))
             self.first.append(len(self.events))
             self.events += [RequestEvents(self.worker, self.metrics, rid, q)
                             for rid, q in zip(sample_ids(gid, len(qs)), qs)]

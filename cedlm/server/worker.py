@@ -42,13 +42,13 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from cedlm.engine.request import Request, Status
+from cedlm.engine.request import Status
 from cedlm.engine.sampler import ConstraintConflict
 from cedlm.engine.scheduler import RequestRejected
 from cedlm.server.events import Admitted, Delta, Failed, Finished
+from cedlm.server.submission import Submission, Track, refused, sample_ids
 
 __all__ = ["Admitted", "Delta", "EngineWorker", "Failed", "Finished", "sample_ids"]
 
@@ -57,39 +57,6 @@ if TYPE_CHECKING:
     from cedlm.engine.output import StepOutput
 
 log = logging.getLogger("cedlm.server")
-
-
-@dataclass
-class _Track:
-    req: Request                          # read only here: its status, for the queue timeout
-    q: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-    submitted: float
-    leader: "_Track | None" = None       # sample 0 of the group, for the other samples
-    admitted: bool = False
-    cached: int = 0
-    prompt_logprobs: list | None = None  # scored prompt not yet sent (goes on the next event)
-
-
-@dataclass
-class _Submit:
-    request_id: str
-    prompt_ids: list[int]
-    params: Any
-    qs: list[asyncio.Queue]              # one per sample (SamplingParams.n / best_of)
-    loop: asyncio.AbstractEventLoop
-    submitted: float = field(default_factory=time.monotonic)
-    images: list | None = None           # prepared images (vision models; Engine.add_samples)
-
-
-def sample_ids(request_id: str, k: int) -> list[str]:
-    """The engine ids of a request's k samples (`Engine.add_samples`)."""
-    return [request_id] if k == 1 else [f"{request_id}-{i}" for i in range(k)]
-
-
-def _param_of(message: str) -> str | None:
-    head = message.split(":", 1)[0].split(" ", 1)[0].strip()
-    return head if head.isidentifier() else None
 
 
 class _EngineFailed(Exception):
@@ -116,7 +83,8 @@ class EngineWorker:
         self._wake = threading.Event()
         self._lock = threading.Lock()            # orders submit() against the engine failing
         self._stop = False
-        self._tracked: dict[str, _Track] = {}
+        self._tracked: dict[str, Track] = {}
+        self._owners: dict[str, Track] = {}      # owner (HTTP request of several prompts) -> its first sequence
         self._thread: threading.Thread | None = None
         self._failed: str | None = None          # why the engine is failed (sticky)
         self._recent: collections.deque = collections.deque(maxlen=64)   # (monotonic, reason)
@@ -185,10 +153,13 @@ class EngineWorker:
         """Queue a request; returns the asyncio.Queue its events arrive on (call from the loop)."""
         return self.submit_samples(request_id, prompt_ids, params)[0]
 
-    def submit_samples(self, request_id: str, prompt_ids: list[int], params, images=None) -> list[asyncio.Queue]:
+    def submit_samples(self, request_id: str, prompt_ids: list[int], params, images=None,
+                       owner: str | None = None) -> list[asyncio.Queue]:
         """Queue a request of `params.num_samples` samples (n / best_of; one engine group:
         `Engine.add_samples`); returns one asyncio.Queue per sample, in sample order. The samples'
-        engine ids are `sample_ids(request_id, k)`."""
+        engine ids are `sample_ids(request_id, k)`. `owner`: the HTTP request of several prompts
+        this one belongs to (the engine runs at most half the slots of one owner at once; its
+        later prompts count as admitted with its first)."""
         loop = asyncio.get_running_loop()
         qs: list[asyncio.Queue] = [asyncio.Queue() for _ in range(params.num_samples)]
         with self._lock:
@@ -196,7 +167,8 @@ class EngineWorker:
                 for q in qs:
                     q.put_nowait(self._failed_event())
                 return qs
-            self._cmds.put(("add", _Submit(request_id, list(prompt_ids), params, qs, loop, images=images)))
+            self._cmds.put(("add", Submission(request_id, list(prompt_ids), params, qs, loop, images=images,
+                                               owner=owner)))
         self._wake.set()
         return qs
 
@@ -315,7 +287,7 @@ class EngineWorker:
                 log.exception("on_failed callback raised")
 
     def _send(self, t, ev) -> None:
-        for q in (t.qs if isinstance(t, _Submit) else [t.q]):
+        for q in (t.qs if isinstance(t, Submission) else [t.q]):
             try:
                 t.loop.call_soon_threadsafe(q.put_nowait, ev)
             except RuntimeError:                  # the handler's loop is gone
@@ -361,9 +333,11 @@ class EngineWorker:
         free = max(0, s.max_num_seqs - s.num_running)
         return s if s.num_waiting >= self.max_waiting + free else None
 
-    def _add(self, sub: _Submit) -> None:
+    def _add(self, sub: Submission) -> None:
         try:
-            s = self._queue_full()
+            # a later prompt of a request already taken is not refused for the queue (the whole
+            # request was bounded by slots + queue when it came: ServerState.check_capacity)
+            s = None if sub.owner is not None and sub.owner in self._owners else self._queue_full()
             if s is not None:
                 self.rejected["queue_full"] += 1
                 self._send(sub, Failed(
@@ -372,20 +346,10 @@ class EngineWorker:
                          f"retry after {self.retry_after} s",
                     code="rate_limit_exceeded", type="rate_limit_error", retry_after=self.retry_after))
                 return
-            if sub.images:
-                reqs = self.engine.add_samples(sub.prompt_ids, sub.params, sub.request_id, images=sub.images)
-            elif len(sub.qs) > 1:
-                reqs = self.engine.add_samples(sub.prompt_ids, sub.params, sub.request_id)
-            else:
-                reqs = [self.engine.add_request(sub.prompt_ids, sub.params, sub.request_id)]
-        except RequestRejected as e:
-            msg = str(e)
-            code = "context_length_exceeded" if "max_model_len" in msg else "request_too_large"
-            self._send(sub, Failed(400, msg, param=_param_of(msg), code=code))
-            return
-        except ValueError as e:
-            msg = str(e)
-            self._send(sub, Failed(400, msg, param=_param_of(msg)))
+            reqs = self.engine.add_samples(sub.prompt_ids, sub.params, sub.request_id, images=sub.images,
+                                           owner=sub.owner)
+        except ValueError as e:                   # RequestRejected too: a 400 naming the limit
+            self._send(sub, refused(str(e), rejected=isinstance(e, RequestRejected)))
             return
         except Exception as e:                    # noqa: BLE001 - this request fails, nobody else
             log.error("adding request %s failed", sub.request_id, exc_info=e)
@@ -395,12 +359,19 @@ class EngineWorker:
                 self._abort(rid)
             self._send(sub, self._internal(sub.request_id))
             return
-        leader = None
+        # a later prompt of a request of several waits behind its own request's share of the
+        # slots (the scheduler's fair share), not in the queue: admitted with its first prompt
+        first = self._owners.get(sub.owner) if sub.owner is not None else None
+        leader = first
         for req, q in zip(reqs, sub.qs):
-            t = self._tracked[req.request_id] = _Track(req, q, sub.loop, sub.submitted, leader)
-            leader = leader or t
+            t = self._tracked[req.request_id] = Track(req, q, sub.loop, sub.submitted, leader)
+            if req.sample_index == 0:
+                leader = t                        # the prompt's other samples wait on its sample 0
+        if sub.owner is not None and first is None:
+            self._owners[sub.owner] = self._tracked[reqs[0].request_id]
 
     def _expire(self) -> None:
+        self._owners = {o: t for o, t in self._owners.items() if t.req.request_id in self._tracked}
         if self.queue_timeout is None:
             return
         now = time.monotonic()
@@ -439,7 +410,7 @@ class EngineWorker:
                 progressed = True
         return progressed
 
-    def _publish_one(self, o: StepOutput, t: _Track) -> None:
+    def _publish_one(self, o: StepOutput, t: Track) -> None:
         rid = o.request_id
         if o.failed and (o.error or "").startswith(ConstraintConflict.__name__ + ":"):
             # the request's own constraints leave no token (e.g. allowed_token_ids against its
