@@ -17,7 +17,7 @@ pytest.importorskip("llguidance")
 from test_server import MODEL, client, make_app, serve  # noqa: E402
 from test_server_parity import TIME, WEATHER  # noqa: E402
 
-from cedlm.server.tools import CUT_REFUSAL, ForcedStream  # noqa: E402
+from cedlm.server.tools import CUT_ARGS_REFUSAL, CUT_REFUSAL, ForcedStream, cut_refusal  # noqa: E402
 
 MSG = [{"role": "user", "content": "Weather?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
@@ -42,30 +42,38 @@ def test_forced_stream_cut_calls():
     assert s.feed('[{"na') == [] and s.cut() == []          # no name yet: nothing to return
     s = ForcedStream("required", parallel=False)
     s.feed('[{"name": "get_time", "parameters": {"tz": "utc"}}, {"name": "get_weather", "parameters": {')
-    assert s.cut() == []                                     # one call only: the complete one
+    assert s.cut() == [] and cut_refusal(s, []) is None      # one call only: the complete one
+    s = ForcedStream("required")
+    assert s.feed('[{"na') == [] and cut_refusal(s, s.cut()) == CUT_REFUSAL
+    s = ForcedStream(NAMED)
+    s.feed('{"ci')
+    assert cut_refusal(s, s.cut()) == CUT_ARGS_REFUSAL
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_named_tool_call_cut_by_max_tokens_is_a_tool_call(base, stream):
     """As vLLM: finish_reason "length", the call in tool_calls with its arguments as far as they
-    were generated (not valid JSON: LangChain's parser raises instead of returning None), no content."""
+    were generated, no content; and a refusal saying it was cut (LangChain's structured output
+    raises OpenAIRefusalError on it; a call with invalid arguments alone it turns into None)."""
     oc = client(base)
     kw = dict(model=MODEL, messages=MSG, max_tokens=3, temperature=0, tools=[WEATHER], tool_choice=NAMED)
     if not stream:
         ch = oc.chat.completions.create(**kw).choices[0]
         assert ch.finish_reason == "length" and not ch.message.content, ch
+        assert ch.message.refusal == CUT_ARGS_REFUSAL
         calls = [(c.function.name, c.function.arguments) for c in ch.message.tool_calls]
     else:
-        name, args, fins, content = "", "", [], ""
+        name, args, fins, content, refusal = "", "", [], "", ""
         for chunk in oc.chat.completions.create(stream=True, **kw):
             for c in chunk.choices:
                 content += c.delta.content or ""
+                refusal += c.delta.refusal or ""
                 for d in c.delta.tool_calls or []:
                     name += d.function.name or ""
                     args += d.function.arguments or ""
                 if c.finish_reason:
                     fins.append(c.finish_reason)
-        assert fins == ["length"] and content == ""
+        assert fins == ["length"] and content == "" and refusal == CUT_ARGS_REFUSAL
         calls = [(name, args)]
     assert len(calls) == 1 and calls[0][0] == "get_weather"
     assert calls[0][1].startswith("{")
@@ -74,6 +82,7 @@ def test_named_tool_call_cut_by_max_tokens_is_a_tool_call(base, stream):
     # with room to finish, the same request is a complete call
     ch = oc.chat.completions.create(**{**kw, "max_tokens": 100}).choices[0]
     assert ch.finish_reason == "tool_calls" and json.loads(ch.message.tool_calls[0].function.arguments)
+    assert ch.message.refusal is None
 
 
 def test_required_tool_call_cut_before_its_name_is_a_refusal(base):
@@ -82,8 +91,7 @@ def test_required_tool_call_cut_before_its_name_is_a_refusal(base):
         "tool_choice": "required"}).json()
     ch = r["choices"][0]
     assert ch["finish_reason"] == "length" and not ch["message"].get("content")
-    if not ch["message"].get("tool_calls"):
-        assert ch["message"]["refusal"] == CUT_REFUSAL
+    assert ch["message"]["refusal"] == (CUT_ARGS_REFUSAL if ch["message"].get("tool_calls") else CUT_REFUSAL)
 
 
 def test_skip_special_tokens_honoured(base):

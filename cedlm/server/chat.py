@@ -19,7 +19,8 @@ Tools (`tools.py`): with tool_choice "auto" (the default when tools are given) t
 parsed from the V4.1 `<｜DSML｜ calls>` block, streaming (`DSMLStream`: each call is sent as a
 `tool_calls` delta once its invoke closes) or not; "required" or a named function constrains the
 output to JSON naming the call(s) (the finish reason is then "tool_calls"; a call cut by max_tokens
-is returned with its partial arguments and finish reason "length", as vLLM; never as content);
+is returned with its partial arguments and finish reason "length", as vLLM, plus a refusal saying
+it was cut; never as content);
 "none" parses nothing.
 `response_format` (json_object, json_schema) and vLLM's structured outputs constrain the content
 (`constrain.py`; in thinking mode, from the first `</think>` on).
@@ -50,7 +51,7 @@ from cedlm.server.protocol import (
 )
 from cedlm.server.state import ServerState, finite_logprob
 from cedlm.server.streaming import Group, Output, sse
-from cedlm.server.tools import CUT_REFUSAL, DSMLStream, ForcedStream, forced_schema, with_ids
+from cedlm.server.tools import DSMLStream, ForcedStream, cut_refusal, forced_schema, with_ids
 from cedlm.server.worker import Delta, Finished
 from cedlm.text.chat import (
     EOS, THINK_END, THINK_START, encode_chat_parts, parse_assistant, parse_tool_calls, tokenize_parts,
@@ -202,18 +203,21 @@ async def chat(body: ChatCompletionRequest, raw: Request):
                      completion_tokens_details=CompletionTokensDetails(
                          reasoning_tokens=sum(reasoning_tokens(srv, o, thinking) for o in outs_ids)))
 
-    def calls_of(content: str, reason: str | None) -> tuple[str | None, list[dict]]:
-        """(content left, tool calls) of a finished choice's content. A forced call is never
-        content: cut by max_tokens, it comes back with its arguments as far as generated
-        (tools.py, ForcedStream.cut)."""
+    def calls_of(content: str, reason: str | None) -> tuple[str | None, list[dict], str | None]:
+        """(content left, tool calls, refusal) of a finished choice's content. A forced call is
+        never content: cut by max_tokens, it comes back with its arguments as far as generated,
+        and a refusal saying so (tools.py: ForcedStream.cut, cut_refusal)."""
         if forced:
             stream = ForcedStream(body.tool_choice, parallel)
             calls = stream.feed(content)
-            return None, calls + (stream.cut() if reason == "length" else [])
+            if reason != "length":
+                return None, calls, None
+            cut = stream.cut()
+            return None, calls + cut, cut_refusal(stream, cut)
         if auto:
             rest, calls = parse_tool_calls(content)
-            return rest, (calls if parallel else calls[:1])
-        return content, []
+            return rest, (calls if parallel else calls[:1]), None
+        return content, [], None
 
     if not body.stream:
         outs = await group.collect(bool(body.top_logprobs))
@@ -223,12 +227,11 @@ async def chat(body: ChatCompletionRequest, raw: Request):
         for i, out in enumerate(best(outs, body.n)):
             reason = out.finish_reason
             reasoning, content = parse_assistant(out.text, thinking=True) if thinking else ("", out.text)
-            content, calls = calls_of(content, reason)
+            content, calls, refusal = calls_of(content, reason)
             if calls and reason == "stop":
                 reason = "tool_calls"
             msg = AssistantMessage(content=content, reasoning_content=reasoning if thinking else None,
-                                   tool_calls=with_ids(calls) if calls else None,
-                                   refusal=CUT_REFUSAL if forced and not calls and reason == "length" else None)
+                                   tool_calls=with_ids(calls) if calls else None, refusal=refusal)
             lp = (ChoiceLogprobs(content=chat_logprobs(srv, out.token_ids, out.logprobs, out.top_logprobs))
                   if body.logprobs else None)
             choices.append(ChatChoice(index=i, message=msg, logprobs=lp, finish_reason=reason))
@@ -281,14 +284,16 @@ async def chat(body: ChatCompletionRequest, raw: Request):
         else:
             dr, dc = st.split.finish()
         dc, calls = st.content(dc, final)
+        refusal = None
         if final and st.forced is not None and ev.reason == "length":     # the call max_tokens cut
-            calls += st.forced.cut()
+            cut = st.forced.cut()
+            calls, refusal = calls + cut, cut_refusal(st.forced, cut)
         if dr or dc or lp is not None:
             yield chunk(k, DeltaMessage(reasoning_content=dr or None, content=dc or None), logprobs=lp)
         if calls:
             yield chunk(k, DeltaMessage(tool_calls=st.tool_deltas(calls)))
-        if final and st.forced is not None and not st.n_calls and ev.reason == "length":
-            yield chunk(k, DeltaMessage(refusal=CUT_REFUSAL))
+        if refusal:
+            yield chunk(k, DeltaMessage(refusal=refusal))
         if final:
             reason = "tool_calls" if st.n_calls and ev.reason == "stop" else ev.reason
             yield chunk(k, DeltaMessage(), finish=reason)

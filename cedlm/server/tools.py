@@ -17,10 +17,12 @@ Two ways a tool call is produced:
 
 A forced call cut by max_tokens is never returned as plain ``content`` (LangChain's structured
 output would quietly read ``None``). As vLLM does for a named function, the cut call is returned
-in ``tool_calls`` with the arguments as far as they were generated (not valid JSON, so a client
-that parses them sees the error) and the finish reason stays "length" (``ForcedStream.cut``);
-for "required" the same holds once the cut item's name is complete. Cut before any function name
-was generated, there is no call to return: the message carries a ``refusal`` saying so.
+in ``tool_calls`` with the arguments as far as they were generated (not valid JSON) and the
+finish reason stays "length" (``ForcedStream.cut``); for "required" the same holds once the cut
+item's name is complete. In addition (cedlm's choice: vLLM returns the partial call only) the
+message carries a ``refusal`` saying the call was cut (``cut_refusal``), also when it was cut
+before any function name: LangChain's structured output raises a refusal, while it turns a call
+with invalid arguments into ``invalid_tool_calls`` and returns ``None``.
 
 "none" keeps the tools in the prompt and parses nothing.
 """
@@ -210,6 +212,17 @@ class ForcedStream:
 
 CUT_REFUSAL = ("the forced tool call was cut by max_tokens before its function name was generated; "
                "raise max_tokens")
+CUT_ARGS_REFUSAL = ("the forced tool call was cut by max_tokens: its arguments are incomplete JSON; "
+                    "raise max_tokens")
+
+
+def cut_refusal(stream: ForcedStream, cut: list[dict]) -> str | None:
+    """The `refusal` of a forced output cut by max_tokens (after `cut = stream.cut()`): the call
+    came back with incomplete arguments, or none came at all; None when every call is complete.
+    LangChain's structured output raises it (OpenAIRefusalError) instead of returning None."""
+    if cut:
+        return CUT_ARGS_REFUSAL
+    return CUT_REFUSAL if stream.n == 0 else None
 
 
 def parse_forced(text: str, tool_choice: Any, parallel: bool = True) -> list[dict]:
