@@ -473,3 +473,27 @@ def test_openapi_documents_the_temperature_bound_and_token_ids():
     t = CompletionRequest.model_json_schema()["properties"]["temperature"]["anyOf"][0]
     assert t["maximum"] == TEMPERATURE_MAX
     assert DetokenizeRequest.model_json_schema()["properties"]["tokens"]["items"]["minimum"] == 0
+
+
+def test_openapi_carries_the_run_time_bounds_and_the_rules_between_fields(hostile_app):
+    """/openapi.json is refined at app start (server/openapi_rules.py): token ids below the loaded
+    model's vocabulary, max_tokens within the context, n / best_of within the sample cap, a 401
+    on every keyed route (/metrics included), and the rules between fields JSON schema cannot
+    state in the operation's description; such a rule is a 400 with code invalid_combination."""
+    app, base, _ = hostile_app
+    srv = app.state.server
+    doc = httpx.get(f"{base}/openapi.json", timeout=30).json()
+    comps, paths = doc["components"]["schemas"], doc["paths"]
+    vocab = app.state.engine.model.cfg.vocab_size
+    assert comps["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == vocab - 1
+    cp = comps["CompletionRequest"]["properties"]
+    assert cp["n"]["maximum"] == srv.max_samples == 2
+    assert cp["max_tokens"]["anyOf"][0]["maximum"] == srv.max_model_len - 1
+    assert cp["guided_choice"]["anyOf"][0]["minItems"] == 1
+    assert "oneOf" in comps["TokenizeRequest"]
+    assert "401" in paths["/metrics"]["get"]["responses"] and "401" not in paths["/health"]["get"]["responses"]
+    assert "best_of` >= `n`" in paths["/v1/completions"]["post"]["description"]
+    r = _post(base, "/v1/completions", {"model": MODEL, "prompt": "a", "n": 2, "best_of": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_combination", r.text
+    r = _post(base, "/detokenize", {"model": MODEL, "tokens": [1.0, 2]})   # JSON schema's integers
+    assert r.status_code == 200, r.text

@@ -41,6 +41,8 @@ from cedlm.server.chat import EFFORT_HEADER, ReasoningSplitter, encode_messages
 from cedlm.server.errors import APIError, BodyTooLarge, fix_openapi, install_error_handlers, unauthorized
 from cedlm.server.images import options_for as image_options
 from cedlm.server.metrics import Metrics
+from cedlm.server.openapi_rules import RuntimeBounds
+from cedlm.server.openapi_rules import refine as refine_openapi
 from cedlm.server.tracing import RequestIdMiddleware, ThroughputLog, log_finished
 from cedlm.server.ui import ui_router
 from cedlm.server.unsupported import unsupported_router, version_router
@@ -288,7 +290,9 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     app.add_middleware(_HTTPMetrics, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)           # outermost: every response carries x-request-id
     install_error_handlers(app)
-    fix_openapi(app)
+    bounds = RuntimeBounds(vocab_size=engine.model.cfg.vocab_size, max_model_len=app.state.server.max_model_len,
+                           max_samples=app.state.server.max_samples)
+    fix_openapi(app, lambda schema: refine_openapi(schema, bounds))   # the validators' rules, these bounds
     auth = [Depends(_bearer_auth(api_key))]
     app.include_router(ops_router)
     app.include_router(models_router, dependencies=auth)

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cedlm.server.protocol import ErrorInfo, ErrorResponse
+from cedlm.server.protocol.checks import Combination
 from cedlm.server.worker import Failed
 
 log = logging.getLogger("cedlm.server")
@@ -111,7 +112,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
         msg = ".".join(loc[:named] + [msg]) if named is not None else f"{'.'.join(loc)}: {msg}"
     if len(errs) > 1:
         msg += f" (and {len(errs) - 1} more error{'s' if len(errs) > 2 else ''})"
-    return APIError(400, msg, param=param, code="invalid_value" if param else "invalid_body")
+    code = "invalid_value" if param else "invalid_body"
+    if isinstance(e.get("ctx", {}).get("error"), Combination):
+        code = "invalid_combination"     # a rule between fields (documented on the operation)
+    return APIError(400, msg, param=param, code=code)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -154,9 +158,11 @@ _ERROR_DOC = {
 }
 
 
-def fix_openapi(app: FastAPI) -> None:
+def fix_openapi(app: FastAPI, refine=None) -> None:
     """Make `/openapi.json` describe what the server answers: the OpenAI error body for 400 (where
-    FastAPI documents a 422 the server never sends) and the other error statuses of a route."""
+    FastAPI documents a 422 the server never sends) and the other error statuses of a route;
+    `refine(schema)` then writes in the validators' rules and the run-time bounds
+    (server/openapi_rules.py)."""
     from fastapi.openapi.utils import get_openapi
 
     def openapi():
@@ -183,6 +189,8 @@ def fix_openapi(app: FastAPI) -> None:
                     continue                      # documented on the route (its own body)
                 for c in sorted(codes):
                     resp.setdefault(str(c), {"description": _ERROR_DOC[c], "content": body})
+        if refine is not None:
+            refine(schema)
         app.openapi_schema = schema
         return schema
 

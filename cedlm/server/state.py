@@ -177,7 +177,8 @@ class ServerState:
         if grammar is not None:
             if body.ignore_eos:
                 raise APIError(400, "ignore_eos: cannot be combined with structured output or a forced "
-                                    "tool call (the output ends where the grammar does)", param="ignore_eos")
+                                    "tool call (the output ends where the grammar does)", param="ignore_eos",
+                               code="invalid_combination")
             try:
                 procs.append(self.grammars.processor(grammar, grammar_param, gate))
             except GrammarError as e:

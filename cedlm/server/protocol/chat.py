@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from cedlm.server.protocol.checks import check_parts, check_tool_call, effort_value, type_name
+from cedlm.server.protocol.checks import Combination, check_parts, check_tool_call, effort_value, type_name
 from cedlm.server.protocol.common import CommonRequest
 from cedlm.server.protocol.params import DEFAULT_THINKING_EFFORT, EFFORT_TIERS, MAX_TOP_LOGPROBS, REFUSED, refuse
 from cedlm.server.tools import check_tool_choice, check_tools
@@ -157,17 +157,17 @@ class ChatCompletionRequest(CommonRequest, ChatTemplateFields):
     def _tool_rules(self):
         tc = self.tool_choice
         if tc not in (None, "none", "auto") and not self.tools:
-            raise ValueError("tool_choice: requires 'tools'")
+            raise Combination("tool_choice: requires 'tools'")
         if isinstance(tc, dict):
             want = tc["function"]["name"]
             if want not in tool_names(self.tools):
-                raise ValueError(f"tool_choice.function.name: {want!r} is not one of the tools "
+                raise Combination(f"tool_choice.function.name: {want!r} is not one of the tools "
                                  f"({', '.join(tool_names(self.tools))})")
         if tc not in (None, "none", "auto") and self.guided() is not None:
-            raise ValueError(f"tool_choice: {tc if isinstance(tc, str) else 'a named function'} cannot be "
+            raise Combination(f"tool_choice: {tc if isinstance(tc, str) else 'a named function'} cannot be "
                              f"combined with response_format / structured outputs")
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs: requires logprobs=true")
+            raise Combination("top_logprobs: requires logprobs=true")
         return self
 
     def forced_tools(self) -> bool:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field
 
 from cedlm.server.protocol.params import EFFORT_TIERS, MAX_DEPTH, MAX_LOGIT_BIAS
 
@@ -19,6 +21,25 @@ def _where(path: list) -> str:
     (a message holding one cannot be encoded, which was a 500 and a dropped connection)."""
     text = ".".join(str(p) for p in path) or "request body"
     return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def _json_int(v: Any) -> Any:
+    """An integer as JSON schema defines it: 3 and 3.0 alike (the same number); never a boolean
+    or a string (those stay errors)."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"must be an integer, got {type_name(v)}")
+    return v
+
+
+JsonInt = Annotated[int, BeforeValidator(_json_int)]
+TokenId = Annotated[int, Field(ge=0), BeforeValidator(_json_int)]   # (the bound first: in the JSON schema)
+
+class Combination(ValueError):
+    """A rule between fields that JSON schema cannot state (best_of >= n, min_tokens <=
+    max_tokens, one constraint at most, ...): a 400 with code `invalid_combination`; each
+    operation's description in /openapi.json lists its rules (server/openapi_rules.py)."""
 
 
 def check_body(body: Any) -> None:
@@ -102,6 +123,8 @@ def check_tool_call(tc: Any, where: str) -> None:
 def effort_value(v: Any, field: str, allow_tiers: bool) -> Any:
     if v is None:
         return None
+    if type(v) is float and v.is_integer():       # JSON schema's integer: 46 and 46.0 alike
+        v = int(v)
     if type(v) is int:
         if 1 <= v <= 100:
             return v

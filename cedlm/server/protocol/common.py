@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from cedlm.server.protocol.checks import check_body, check_logit_bias, check_response_format, check_structured
+from cedlm.server.protocol.checks import (
+    Combination, JsonInt, check_body, check_logit_bias, check_response_format, check_structured,
+)
 from cedlm.server.protocol.params import (
     GUIDED, MAX_CACHE_SALT_CHARS, MAX_TEMPERATURE, MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
 )
@@ -22,12 +24,12 @@ class CommonRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
-    best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
+    n: JsonInt = Field(default=1, ge=1, le=MAX_N)
+    best_of: JsonInt | None = Field(default=None, ge=1, le=MAX_N)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
-    min_tokens: StrictInt = Field(default=0, ge=0)
+    min_tokens: JsonInt = Field(default=0, ge=0)
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True      # vLLM's default: special tokens left out of the text
@@ -37,7 +39,7 @@ class CommonRequest(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     logit_bias: Any = None
-    allowed_token_ids: list[StrictInt] | None = Field(default=None, min_length=1, max_length=MAX_LOGIT_BIAS)
+    allowed_token_ids: list[JsonInt] | None = Field(default=None, min_length=1, max_length=MAX_LOGIT_BIAS)
     response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
@@ -105,15 +107,15 @@ class CommonRequest(BaseModel):
     def _choices(self):
         if self.best_of is not None:
             if self.best_of < self.n:
-                raise ValueError(f"best_of: must be >= n ({self.n}), got {self.best_of}")
+                raise Combination(f"best_of: must be >= n ({self.n}), got {self.best_of}")
             if self.stream and self.best_of > self.n:
-                raise ValueError("best_of: cannot stream when best_of > n (the best are known only at the end)")
+                raise Combination("best_of: cannot stream when best_of > n (the best are known only at the end)")
         if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+            raise Combination(f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         given = [k for k in ("response_format", "structured_outputs", *GUIDED) if getattr(self, k) is not None
                  and not (k == "response_format" and self.response_format.get("type") == "text")]
         if len(given) > 1:
-            raise ValueError(f"{given[1]}: give only one of response_format, structured_outputs, guided_* "
+            raise Combination(f"{given[1]}: give only one of response_format, structured_outputs, guided_* "
                              f"(got {', '.join(given)})")
         self.guided()                     # a JSON schema given as a string must parse
         return self

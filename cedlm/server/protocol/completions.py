@@ -1,14 +1,15 @@
 """Text completion requests (``/v1/completions``): prompts as text or token ids, scoring."""
 from __future__ import annotations
 
-from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import Field, StrictBool, field_validator, model_validator
 
 from cedlm.server.protocol.common import CommonRequest
+from cedlm.server.protocol.checks import Combination, JsonInt
 from cedlm.server.protocol.params import (
     CHAT_ONLY_REFUSED, COMPLETIONS_ONLY_REFUSED, MAX_CHOICES, MAX_PROMPTS, MAX_TOP_LOGPROBS, REFUSED, refuse,
 )
 
-PromptType = str | list[StrictInt] | list[str] | list[list[StrictInt]]
+PromptType = str | list[JsonInt] | list[str] | list[list[JsonInt]]
 
 
 class CompletionRequest(CommonRequest):
@@ -42,15 +43,15 @@ class CompletionRequest(CommonRequest):
     @model_validator(mode="after")
     def _zero(self):
         if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
-            raise ValueError("max_tokens: 0 is allowed only to score the prompt (with echo=true or prompt_logprobs)")
+            raise Combination("max_tokens: 0 is allowed only to score the prompt (with echo=true or prompt_logprobs)")
         if self.max_tokens == 0 and self.min_tokens:
-            raise ValueError("min_tokens: must be 0 when max_tokens is 0")
+            raise Combination("min_tokens: must be 0 when max_tokens is 0")
         n = len(self.prompts()) * max(self.n, self.best_of or 1)
         if n > MAX_CHOICES:
-            raise ValueError(f"n: {len(self.prompts())} prompts x {max(self.n, self.best_of or 1)} samples is "
+            raise Combination(f"n: {len(self.prompts())} prompts x {max(self.n, self.best_of or 1)} samples is "
                              f"{n} sequences; at most {MAX_CHOICES} per request")
         if self.echo and self.best_of is not None and self.best_of > self.n:
-            raise ValueError("best_of: cannot be combined with echo when best_of > n")
+            raise Combination("best_of: cannot be combined with echo when best_of > n")
         return self
 
     def prompts(self) -> list[str | list[int]]:

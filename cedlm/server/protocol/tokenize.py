@@ -1,12 +1,10 @@
 """vLLM's ``/tokenize`` and ``/detokenize``: requests and responses."""
 from __future__ import annotations
 
-from typing import Annotated
-
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, model_validator
 
 from cedlm.server.protocol.chat import ChatTemplateFields
-from cedlm.server.protocol.checks import check_body
+from cedlm.server.protocol.checks import Combination, TokenId, check_body
 from cedlm.server.protocol.params import refuse
 
 
@@ -30,11 +28,11 @@ class TokenizeRequest(ChatTemplateFields):
     @model_validator(mode="after")
     def _one(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("prompt: give exactly one of 'prompt' (a text) or 'messages'")
+            raise Combination("prompt: give exactly one of 'prompt' (a text) or 'messages'")
         if self.messages is not None and not self.messages:
-            raise ValueError("messages: must not be empty")
+            raise Combination("messages: must not be empty")
         if self.messages is not None and not self.add_generation_prompt:
-            raise ValueError("add_generation_prompt: false is not supported (the V4.1 encoding always ends "
+            raise Combination("add_generation_prompt: false is not supported (the V4.1 encoding always ends "
                              "with the assistant prefix)")
         return self
 
@@ -42,7 +40,7 @@ class TokenizeRequest(ChatTemplateFields):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    tokens: list[Annotated[StrictInt, Field(ge=0)]]
+    tokens: list[TokenId]
 
     @model_validator(mode="before")
     @classmethod
