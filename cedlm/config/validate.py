@@ -134,6 +134,7 @@ def validate(cfg: "ModelConfig") -> None:
          f"unknown {cfg.engram_token_map!r} (expected one of {ENGRAM_TOKEN_MAPS})")
     # Byte formats: every quantized dim must be a multiple of its scale block.
     from cedlm.quant import FORMATS
+    from cedlm.quant.formats import EXTRA_FORMATS
     for fld, fmt, dim in (("head_dim", cfg.main_kv_format, cfg.head_dim),
                           ("head_dim", cfg.window_kv_format, cfg.head_dim),
                           ("index_head_dim", cfg.index_kv_format, cfg.index_head_dim)):
@@ -148,7 +149,7 @@ def validate(cfg: "ModelConfig") -> None:
              "unquantised entries")
     need(cfg.main_kv_format in ("kv_fp4", "v4_fp8", "window_fp8", "bf16"),
          "main_kv_format", f"unknown {cfg.main_kv_format!r} (expected kv_fp4, v4_fp8, window_fp8 or bf16)")
+    known = sorted({*FORMATS, *EXTRA_FORMATS})          # what the codecs store (get_format)
     for fld in ("window_kv_format", "index_kv_format"):
-        need(getattr(cfg, fld) in FORMATS, fld,
-             f"unknown {getattr(cfg, fld)!r} (expected one of {sorted(FORMATS)})")
+        need(getattr(cfg, fld) in known, fld, f"unknown {getattr(cfg, fld)!r} (expected one of {known})")
 
