@@ -290,8 +290,9 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     app.add_middleware(_HTTPMetrics, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)           # outermost: every response carries x-request-id
     install_error_handlers(app)
-    bounds = RuntimeBounds(vocab_size=engine.model.cfg.vocab_size, max_model_len=app.state.server.max_model_len,
-                           max_samples=app.state.server.max_samples)
+    srv = app.state.server                            # token ids: within the model's and the tokenizer's vocabulary
+    vocab = min(srv.vocab_size, srv.tok.vocab_size) if srv.tok is not None else srv.vocab_size
+    bounds = RuntimeBounds(vocab_size=vocab, max_model_len=srv.max_model_len, max_samples=srv.max_samples)
     fix_openapi(app, lambda schema: refine_openapi(schema, bounds))   # the validators' rules, these bounds
     auth = [Depends(_bearer_auth(api_key))]
     app.include_router(ops_router)

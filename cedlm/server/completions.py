@@ -148,6 +148,10 @@ async def completions(body: CompletionRequest, raw: Request):
         if not ids:
             raise APIError(400, "prompt: empty prompt (no tokens)", param="prompt")
         srv.check_len(ids, "prompt")
+        bad = next((t for t in ids if not 0 <= t < srv.vocab_size), None)     # before echo decodes them
+        if bad is not None:
+            raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {srv.vocab_size})",
+                           param="prompt")
     echo_texts = [p if isinstance(p, str) else (tok.decode(ids) if tok is not None else "")
                   for p, ids in zip(prompts, ids_list)] if body.echo else None
 

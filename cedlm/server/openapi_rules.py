@@ -10,7 +10,8 @@ loaded model and engine (`RuntimeBounds`: token ids below the vocabulary, `max_t
 the rules between fields JSON schema cannot state. A request broken only by such a rule gets a
 400 with code `invalid_combination` (the validators raise `protocol.checks.Combination`), or
 `context_length_exceeded` / `request_too_large` (a prompt + max_tokens beyond the context or a
-request beyond the queue: known only after tokenizing).
+request beyond the queue: known only after tokenizing), or `constraint_conflict`
+(`allowed_token_ids` against a structured-output constraint: known only after compiling it).
 
 Free-form values (JSON schemas, regexes and grammars of structured output, tools, content
 parts, tool calls) are published as the subset whose every value the server accepts: the
@@ -25,12 +26,13 @@ from cedlm.server.protocol.params import (
     EFFORT_TIERS, MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS, MAX_PROMPTS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
 )
 
-RUNTIME_CODES = ("invalid_combination", "context_length_exceeded", "request_too_large")
+RUNTIME_CODES = ("invalid_combination", "context_length_exceeded", "request_too_large", "constraint_conflict")
 
 _COMMON_RULES = [
     "`best_of` >= `n`; `best_of` > `n` not with `stream`",
     "`min_tokens` <= `max_tokens`",
     "at most one of `response_format`, `structured_outputs`, `guided_*`; `ignore_eos` not with any of them",
+    "`allowed_token_ids` must allow the output a structured-output constraint requires (`constraint_conflict`)",
     "prompt tokens + `max_tokens` <= the context (`context_length_exceeded`, known after tokenizing)",
     "prompts x max(`n`, `best_of`) within the engine's slots + queue (`request_too_large`)",
 ]

@@ -94,7 +94,8 @@ class ChatTemplateFields(BaseModel):
             if k not in known:
                 raise ValueError(f"chat_template_kwargs.{k}: not supported (known: {', '.join(sorted(known))})")
         if v and v.get("reasoning_effort") is not None:
-            effort_value(v["reasoning_effort"], "chat_template_kwargs.reasoning_effort", allow_tiers=True)
+            v["reasoning_effort"] = effort_value(v["reasoning_effort"], "chat_template_kwargs.reasoning_effort",
+                                                 allow_tiers=True)
         return v
 
     @field_validator("reasoning_effort")
