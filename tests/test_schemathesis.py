@@ -59,7 +59,8 @@ def not_a_server_error_but_unsupported(ctx, response, case):
     return not_a_server_error(ctx, response, case)
 
 
-CHECKED: collections.Counter = collections.Counter()    # responses checked, by operation and status
+# responses checked, by operation and status; the 400s let pass for a documented rule also by code
+CHECKED: collections.Counter = collections.Counter()
 
 
 def schema_valid_is_accepted(ctx, response, case):
@@ -121,4 +122,5 @@ def teardown_module():
     path = os.environ.get("CEDLM_SCHEMATHESIS_COUNT")
     if path:
         with open(path, "w") as f:
-            json.dump({"total": sum(CHECKED.values()), **dict(sorted(CHECKED.items()))}, f, indent=1)
+            total = sum(v for k, v in CHECKED.items() if len(k.split()) == 3)   # "METHOD path status"
+            json.dump({"total": total, **dict(sorted(CHECKED.items()))}, f, indent=1)

@@ -45,7 +45,8 @@ RULES = {
         "`tool_choice` other than none / auto needs `tools`, names one of them, and not with structured output",
         "`top_logprobs` needs `logprobs: true`",
     ],
-    "/tokenize": ["exactly one of `prompt` / `messages`; with `messages`, `add_generation_prompt` true"],
+    "/tokenize": ["exactly one of `prompt` / `messages`; with `messages`, `add_generation_prompt` true",
+                  "the tokens within the context (`context_length_exceeded`, known after tokenizing)"],
 }
 
 
