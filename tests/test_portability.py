@@ -2,7 +2,7 @@
 
 A user's CPU picks other SIMD kernels than the developer's: MKL chooses its GEMM code path from
 the CPU (forced here with MKL_ENABLE_INSTRUCTIONS), and the compiled kernels choose AVX2 + FMA or
-SSE2 at run time (forced with CEDLM_KERNEL_ISA=sse2). Each path rounds differently in the last
+SSE2 at run time (forced with CEDLM_KERNEL_ISA=sse2), or are turned off (CEDLM_REFERENCE_KERNELS=1). Each path rounds differently in the last
 bits; the tests that compare two computations (fast vs reference kernels, batched vs single rows,
 verify vs one-token steps, two ranks vs one, the golden logits) must hold on all of them. This test
 re-runs that subset under each forced path in a subprocess. `bench/scripts/portability.sh --full`
@@ -32,6 +32,7 @@ PATHS = {
     "mkl-sse4_2": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
     "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     "kernels-sse2": {"CEDLM_KERNEL_ISA": "sse2"},
+    "reference-kernels": {"CEDLM_REFERENCE_KERNELS": "1"},
 }
 
 

@@ -21,8 +21,8 @@ run() {   # name, env assignments...
 run mkl-sse4_2 MKL_ENABLE_INSTRUCTIONS=SSE4_2
 run mkl-avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 run kernels-sse2 CEDLM_KERNEL_ISA=sse2
+run reference-kernels CEDLM_REFERENCE_KERNELS=1
 if [ $full = 1 ]; then
     $PY -m cedlm.kernels.build --isa generic >/dev/null && run kernels-generic CEDLM_KERNEL_ISA=generic
-    run reference-kernels CEDLM_REFERENCE_KERNELS=1
 fi
 exit $fail
