@@ -1,11 +1,14 @@
 """Shared pytest fixtures."""
 
+import contextlib
 import importlib.util
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,11 +18,16 @@ import torch
 torch.set_num_threads(1)
 
 
-def _redis_unavailable(reason: str):
-    """Fail when CI demands Redis (CEDLM_REQUIRE_REDIS=1), skip otherwise."""
-    if os.environ.get("CEDLM_REQUIRE_REDIS") == "1":
-        pytest.fail(f"CEDLM_REQUIRE_REDIS=1 but {reason}", pytrace=False)
+def tool_unavailable(require_var: str, reason: str):
+    """An outside program a test needs is missing: fail when CI demands it (`require_var`=1, as
+    .ci/run sets CEDLM_REQUIRE_REDIS / _CHROMIUM / _GUIDELLM after installing them), skip otherwise."""
+    if os.environ.get(require_var) == "1":
+        pytest.fail(f"{require_var}=1 but {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+def _redis_unavailable(reason: str):
+    tool_unavailable("CEDLM_REQUIRE_REDIS", reason)
 
 
 def _free_port() -> int:
@@ -36,6 +44,23 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@contextlib.contextmanager
+def cedlm_serve(log_path):
+    """`cedlm serve` (the shipped default model, 1 thread) as a subprocess on a free loopback
+    port, its output in `log_path`; yields its base URL once /health answers, stops it after."""
+    port = _free_port()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "cedlm.cli", "serve", "--port", str(port),
+                                 "--threads", "1", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            if not wait_healthy(base, lambda: proc.poll() is None, 60, 0.1):
+                pytest.fail(f"cedlm serve did not start:\n{Path(log_path).read_text(errors='replace')[-3000:]}")
+            yield base
+        finally:
+            stop_process(proc, 15)
 
 
 def wait_healthy(base: str, alive, timeout: float, poll: float) -> bool:

@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
@@ -30,7 +29,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 websocket = pytest.importorskip("websocket", reason="websocket-client is not installed (the test extra)")
 
-from conftest import _free_port, stop_process, wait_healthy  # noqa: E402
+from conftest import cedlm_serve, stop_process, tool_unavailable  # noqa: E402
 
 DIGIT_INDEX, DIGIT = 374, "7"            # the README's held-out handwritten 7
 
@@ -38,10 +37,8 @@ DIGIT_INDEX, DIGIT = 374, "7"            # the README's held-out handwritten 7
 def chromium_exe() -> str:
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:
-        reason = "chromium is not installed (Debian: apt-get install -y chromium; .ci/run installs it)"
-        if os.environ.get("CEDLM_REQUIRE_CHROMIUM") == "1":
-            pytest.fail(f"CEDLM_REQUIRE_CHROMIUM=1 but {reason}", pytrace=False)
-        pytest.skip(reason)
+        tool_unavailable("CEDLM_REQUIRE_CHROMIUM",
+                         "chromium is not installed (Debian: apt-get install -y chromium; .ci/run installs it)")
     return exe
 
 
@@ -83,18 +80,8 @@ class Page:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`cedlm serve` with the shipped model on a free loopback port."""
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    port = _free_port()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cedlm.cli", "serve", "--port", str(port),
-                                 "--threads", "1", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            if not wait_healthy(base, lambda: proc.poll() is None, 60, 0.1):
-                pytest.fail(f"cedlm serve did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
-            yield base
-        finally:
-            stop_process(proc, 15)
+    with cedlm_serve(tmp_path_factory.mktemp("serve") / "serve.log") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from conftest import _free_port, stop_process, wait_healthy
+from conftest import cedlm_serve, tool_unavailable
 from cedlm.engine.loader import DEFAULT_MODEL
 
 SECONDS = 5
@@ -29,34 +27,23 @@ def guidellm_exe() -> str:
     exe = (os.environ.get("CEDLM_GUIDELLM") or shutil.which("guidellm", path=str(Path(sys.executable).parent))
            or shutil.which("guidellm"))
     if exe is None:
-        reason = "guidellm is not installed (pip install --no-deps -r .ci/guidellm-requirements.txt)"
-        if os.environ.get("CEDLM_REQUIRE_GUIDELLM") == "1":
-            pytest.fail(f"CEDLM_REQUIRE_GUIDELLM=1 but {reason}", pytrace=False)
-        pytest.skip(reason)
+        tool_unavailable("CEDLM_REQUIRE_GUIDELLM",
+                         "guidellm is not installed (pip install --no-deps -r .ci/guidellm-requirements.txt)")
     return exe
 
 
 def test_guidellm_streaming_run_against_cedlm_serve(tmp_path):
     exe = guidellm_exe()
-    port = _free_port()
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cedlm.cli", "serve", "--port", str(port),
-                                 "--threads", "1", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            assert wait_healthy(base, lambda: proc.poll() is None, 60, 0.1), log_path.read_text(errors="replace")
-            out = tmp_path / "benchmarks.json"
-            run = subprocess.run(
-                [exe, "run", "--backend", f"kind=openai_http,target={base}", "--profile", "kind=synchronous",
-                 "--constraint", f"kind=max_duration,seconds={SECONDS}",
-                 "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
-                 "--tokenizer", f"kind=huggingface_auto,model={DEFAULT_MODEL}",
-                 "--output", f"kind=json,path={out}", "--disable-console-interactive"],
-                capture_output=True, text=True, timeout=180, cwd=tmp_path)
-            assert run.returncode == 0 and out.exists(), (run.stdout[-3000:], run.stderr[-3000:])
-        finally:
-            stop_process(proc, 15)
+    with cedlm_serve(tmp_path / "serve.log") as base:
+        out = tmp_path / "benchmarks.json"
+        run = subprocess.run(
+            [exe, "run", "--backend", f"kind=openai_http,target={base}", "--profile", "kind=synchronous",
+             "--constraint", f"kind=max_duration,seconds={SECONDS}",
+             "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
+             "--tokenizer", f"kind=huggingface_auto,model={DEFAULT_MODEL}",
+             "--output", f"kind=json,path={out}", "--disable-console-interactive"],
+            capture_output=True, text=True, timeout=180, cwd=tmp_path)
+        assert run.returncode == 0 and out.exists(), (run.stdout[-3000:], run.stderr[-3000:])
     m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
     totals = m["request_totals"]
     ttft, itl = m["time_to_first_token_ms"]["successful"], m["inter_token_latency_ms"]["successful"]

@@ -44,7 +44,7 @@ for _mod in ("lm_eval", "transformers", "tenacity"):
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from conftest import _free_port, stop_process, wait_healthy  # noqa: E402  (the suite's helpers)
+from conftest import cedlm_serve  # noqa: E402  (the suite's helpers)
 from cedlm.engine.loader import DEFAULT_MODEL  # noqa: E402
 from cedlm.eval.cli import main as eval_main  # noqa: E402
 
@@ -56,19 +56,8 @@ EOS_ID = 1          # the shipped tokenizer: BOS 0, EOS 1
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`cedlm serve` (the shipped default model) on a free loopback port; yields its base URL."""
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    port = _free_port()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cedlm.cli", "serve", "--port", str(port),
-                                 "--threads", "1", "--log-level", "warning"],
-                                stdout=log, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            if not wait_healthy(base, lambda: proc.poll() is None, 60, 0.1):
-                pytest.fail(f"cedlm serve did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
-            yield base
-        finally:
-            stop_process(proc, 15)
+    with cedlm_serve(tmp_path_factory.mktemp("serve") / "serve.log") as base:
+        yield base
 
 
 # --------------------------------------------------------------------------- data and tasks
