@@ -147,7 +147,10 @@ def ext_op(name: str):
 def inference_op(name: str, *tensors: torch.Tensor, float32: bool = True):
     """``ext_op(name)`` for an inference call on ``tensors``, else None, and the caller runs its
     readable reference: when autograd needs the call (grad enabled and a tensor requires grad),
-    a tensor is not on the CPU or (``float32``) not float32."""
+    a tensor is not on the CPU or (``float32``) not float32, or torch.compile is tracing (the
+    compiled decode step reaches the kernels it keeps through the custom ops of ``ops.py``)."""
+    if torch.compiler.is_compiling():
+        return None        # traced by torch.compile: the torch reference is what inductor fuses
     if any(t.device.type != "cpu" or (float32 and t.dtype != torch.float32) for t in tensors):
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
