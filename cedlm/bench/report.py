@@ -64,9 +64,11 @@ Row keys by figure:
 * `formats`: `format`, `dim`, `entries`, `encoded_bytes`, `input_bytes`, `encode_s`, `decode_s`, `memcpy_s`, `memcpy_input_s`, `codec_gbps`, `memcpy_gbps`, `ratio`, `ratio_vs_input_memcpy`, `spread`, `v41`.
 * `peer`: `batch`, `context`, `new_tokens`, `ced_s`, `hf_s`, `ced_tokens_per_s`, `hf_tokens_per_s`, `ratio`, `spread`. Rows per (`context`, `batch`), each with its `target` and `met`; `targets` per context; `ttft` (`prompt_tokens`, `batch`, `ced_s`, `hf_s`, `ced_over_hf`, `spread`, `ced_mode`): first-token latency of one prompt.
 * `dspark`: `batch`, `config` (`plain`, `dspark_block`, `dspark_scheduled`), `decode_s`, `decode_tokens`, `tokens_per_s`, `speedup`, `speedup_median`, `rounds`, `identical`; speculative rows also `tokens_per_forward`, `acceptance_by_position`, `verified_tokens`, `accepted_tokens`, `drafted_tokens`, `steps`, `draft_seconds`, `verify_seconds`, `draft_ms_per_step`; `targets` (`accepted`, `speedup`, `identical`).
+* `attn_packed`: `batch`, `k`, `window`, `heads`, `head_dim`, `packed_s`, `fp32_s`, `decode_then_attend_s`, `same_kernel_fp32_s`, `ratio` (packed / fp32, the target's metric), `decode_then_attend_over_fp32`, `packed_over_fp32_same_kernel`, `max_rel_diff`, `spread`, `runs_s`.
 """
 
-ORDER = ["kv_bytes", "capacity", "prefill", "decode", "resume", "formats", "peer", "dspark"]
+ORDER = ["kv_bytes", "capacity", "prefill", "decode", "resume", "formats", "attn_packed", "peer",
+         "dspark"]
 
 
 def _marker(name: str, end: bool) -> str:

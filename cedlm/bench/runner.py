@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 
-from cedlm.bench import capacity, decode, dspark, formats, kv_bytes, peer, prefill, resume
+from cedlm.bench import attention, capacity, decode, dspark, formats, kv_bytes, peer, prefill, resume
 from cedlm.bench.common import SCHEMA, Ctx, env_block, write_json
 from cedlm.bench.report import update_md
 
-FIGURES = {m.NAME: m for m in (kv_bytes, capacity, prefill, decode, resume, formats, peer, dspark)}
+FIGURES = {m.NAME: m for m in (kv_bytes, capacity, prefill, decode, resume, formats, attention, peer,
+                                dspark)}
 
 
 def select(only: str | None) -> list[str]:

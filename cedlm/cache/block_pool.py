@@ -173,6 +173,11 @@ class PagedRows:
         blocks = torch.tensor(self.table.blocks, dtype=torch.int64)
         return self.pool.data[self.key][blocks[idx // self.per_block], idx % self.per_block]
 
+    def blocks(self) -> tuple[torch.Tensor, list[int]]:
+        """(the pool's tensor of this row kind [num_blocks, per_block, width], this sequence's
+        block ids in position order): what the compiled decode step reads through."""
+        return self.pool.data[self.key], self.table.blocks
+
     def set_len(self, n: int) -> None:
         """After adopting cached blocks: their first n rows are valid."""
         self.n = n

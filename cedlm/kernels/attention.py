@@ -1,19 +1,47 @@
-"""The compiled sparse attention (``csrc/attend.h``): one softmax over [window keys || selected
-compressed keys || a per-head sink logit], the same computation as the einsums of ``attend`` in
-``cedlm/model/attention.py`` (which calls ``attend_sparse`` first), float32 rounding apart
-(tests/test_attend_fast.py states the tolerance).
+"""The compiled sparse attention: one softmax over [window keys || selected compressed keys || a
+per-head sink logit], the same computation as the einsums of ``attend`` in
+``cedlm/model/attention.py`` (which calls these first), float32 rounding apart.
 
-``attend_sparse`` returns None for the reference path: training (autograd), other devices or
-dtypes, the kernels not built, the reference switch (``CEDLM_REFERENCE_KERNELS=1``).
+* ``attend_sparse`` (``csrc/attend.h``): keys already decoded to float32 (tests/test_attend_fast.py).
+* ``attend_packed`` (``csrc/attend_packed.h``): keys still in the KV cache's storage bytes
+  (``PackedKeys``: a row store and the row of each key), decoded tile by tile inside the attention
+  loop with the codec's own tables, so no decoded float32 copy of the selected entries or of the
+  window is written (tests/test_attend_packed.py).
+
+Each returns None for the reference path: training (autograd), other devices or dtypes, the
+kernels not built, the reference switch (``CEDLM_REFERENCE_KERNELS=1``), a format the compiled
+decode does not read.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from .codecs import decode, ext_format
 from .gate import inference_op
 
-__all__ = ["attend_sparse", "available"]
+__all__ = ["PackedKeys", "attend_sparse", "attend_packed", "available", "unpacked"]
+
+
+@dataclass(frozen=True)
+class PackedKeys:
+    """Keys still in their storage: ``rows`` uint8 [R, width] (entries of KV format ``fmt``,
+    ``dim`` values each, e.g. a paged pool's rows) and ``index`` int64 [...] in [0, R): the row
+    each key slot reads. ``decoded()`` is the float32 [..., dim] the codec gives them."""
+    rows: torch.Tensor
+    index: torch.Tensor
+    fmt: object
+    dim: int
+
+    def decoded(self) -> torch.Tensor:
+        return decode(self.rows[self.index], self.fmt, self.dim)
+
+
+def unpacked(keys):
+    """float32 keys for the readable reference: ``keys`` decoded if packed, else unchanged."""
+    return keys.decoded() if isinstance(keys, PackedKeys) else keys
 
 
 def available(q, win_k, comp_k, sink) -> bool:
@@ -34,3 +62,43 @@ def attend_sparse(q, win_k, win_valid, comp_k, comp_valid, sink, scale: float
         comp_k, comp_valid = q.new_empty(B, T, 0, q.shape[-1]), win_valid.new_empty(B, T, 0)
     return op(q.contiguous(), win_k.contiguous(), win_valid.contiguous(), comp_k.contiguous(),
               comp_valid.contiguous(), sink.detach().contiguous(), float(scale))
+
+
+def store_args(keys, lead: int) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    """(rows, index, kind, block) of the compiled kernel for ``keys``: PackedKeys (kind and block
+    of its format; None for a format the kernel does not decode) or float32 keys [*lead dims*,
+    n, hd] (read in place: kind -1, index = each key's own row); ``lead`` is how many leading
+    dims the index has before the key dim."""
+    if isinstance(keys, PackedKeys):
+        kind = ext_format(keys.fmt)
+        if kind is None:
+            return None
+        return keys.rows, keys.index.contiguous(), *kind
+    rows = keys.reshape(-1, keys.shape[-1])
+    return rows, torch.arange(rows.shape[0]).view(keys.shape[:lead + 1]), -1, 0
+
+
+def _readable(keys) -> bool:
+    """Whether the compiled kernel may read these keys (CPU; float32 unless packed)."""
+    if isinstance(keys, PackedKeys):
+        return inference_op("attend_packed", keys.rows, keys.index, float32=False) is not None
+    return inference_op("attend_packed", keys) is not None
+
+
+def attend_packed(q, win_k, win_valid, comp_k, comp_valid, sink, scale: float
+                  ) -> torch.Tensor | None:
+    """``attend_sparse`` with either kind of keys packed: win_k PackedKeys with index [B,W] (or
+    float32 [B,W,hd]); comp_k PackedKeys with index [B,T,k] (or float32 [B,T,k,hd], or None),
+    comp_valid [B,T,k]; sink [H] -> [B,T,H,hd] float32; or None."""
+    op = inference_op("attend_packed", q, sink)
+    if op is None or not all(_readable(k) for k in (win_k, comp_k) if k is not None):
+        return None
+    win = store_args(win_k, 1)
+    if comp_k is None:
+        B, T = q.shape[:2]
+        comp_k, comp_valid = q.new_empty(B, T, 0, q.shape[-1]), win_valid.new_empty(B, T, 0)
+    comp = store_args(comp_k, 2)
+    if win is None or comp is None:
+        return None
+    return op(q.contiguous(), *win[:2], win_valid.contiguous(), *win[2:], *comp[:2],
+              comp_valid.contiguous(), *comp[2:], sink.detach().contiguous(), float(scale))

@@ -22,6 +22,7 @@ from cedlm.model.kv_cache import KVCache
 from cedlm.model.norm import RMSNorm, rms
 from cedlm.model.rope import Rope
 from cedlm.kernels import attention as kernels_attention
+from cedlm.kernels.attention import PackedKeys, unpacked
 from cedlm.kernels import store_round
 
 
@@ -29,15 +30,20 @@ def attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool, re
     """One softmax over [window keys || compressed keys] plus a per-head sink logit.
 
     q [B,T,H,hd]; win_k [B,W,hd], win_valid [B,T,W]; sink [H].
-    dense=False: comp_k [B,T,k,hd] gathered per query, comp_valid [B,T,k].
+    dense=False: comp_k [B,T,k,hd] gathered per query, comp_valid [B,T,k]. Either may also be
+    `PackedKeys` (the cache's bytes and an index of the same shape less hd, dense=False only):
+    the compiled kernel decodes them inside its loop, the einsums below read them decoded.
     dense=True (reference / training): comp_k [B,N,hd] all entries, comp_valid [B,T,N] top-k mask.
     Returns [B, T, H, hd] fp32; with return_probs, also the probabilities of the compressed
     entries [B, H, T, N or k] (indexer distillation).
     """
-    if not (dense or return_probs):             # compiled (attend.h), float32 rounding apart
-        fast = kernels_attention.attend_sparse(q, win_k, win_valid, comp_k, comp_valid, sink, scale)
+    if not (dense or return_probs):   # compiled (attend.h, attend_packed.h), float32 rounding apart
+        packed = any(isinstance(k, PackedKeys) for k in (win_k, comp_k))
+        kernel = kernels_attention.attend_packed if packed else kernels_attention.attend_sparse
+        fast = kernel(q, win_k, win_valid, comp_k, comp_valid, sink, scale)
         if fast is not None:
             return fast
+    win_k, comp_k = unpacked(win_k), unpacked(comp_k)     # keys still in their storage bytes
     qf = q.float()
     sw = torch.einsum("bthd,bwd->bhtw", qf, win_k.float()) * scale
     sw = sw.masked_fill(~win_valid.unsqueeze(1), NEG)
@@ -131,7 +137,7 @@ class Attention(nn.Module):
         if self.is_global_source:                   # window rows were written in the encoder pass
             win_k, win_pos = cache.global_window(self.layer_id)
         else:
-            win_k, win_pos = cache.window(self.layer_id, self.window_rows(x, pos), pos)
+            win_k, win_pos = cache.window_keys(self.layer_id, self.window_rows(x, pos), pos)
             if self.role == "full" and not batch.replay:
                 self.compress(x, batch, cache)
         qp, kp = pos.unsqueeze(-1), win_pos.unsqueeze(1)
@@ -154,7 +160,7 @@ class Attention(nn.Module):
                 comp_valid = torch.zeros(B, T, comp_k.shape[1], dtype=torch.bool)
                 comp_valid.scatter_(-1, idx, valid)
             else:
-                comp_k, comp_valid = cache.gather_kv(self.src, idx), valid
+                comp_k, comp_valid = cache.selected_kv(self.src, idx), valid
         if batch.probe is not None and cache.dense and self.sparse:       # indexer distillation
             o = self._probed(batch.probe, q, win_k, win_valid, comp_k, comp_valid, cache, pos)
         else:

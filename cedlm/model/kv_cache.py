@@ -1,12 +1,15 @@
 """The seam between attention and storage: one small protocol, two cache backends.
 
 Attention, the compressor and the indexer read and write caches only through `KVCache`:
-- window rows: `window` (write this pass's rows, get the keys visible to it) and, for the
+- window rows: `window` (write this pass's rows, get the keys visible to it; `window_keys`, the
+  same keys possibly still packed for the attention kernel) and, for the
   global-KV source whose rows are written in the encoder pass and read in the decoder pass,
   `push_stash` / `global_window`;
 - compressed entries of a KV-source layer: `add_entries`, `entry_ends`, `index_keys` (or, for
   the indexer's fused scoring, the packed keys themselves: `index_bytes`), and the
-  main KV as every entry (`all_kv`, the dense reference) or only the selected ones (`gather_kv`);
+  main KV as every entry (`all_kv`, the dense reference) or only the selected ones (`gather_kv`
+  decoded; `selected_kv`, possibly still packed: `PackedKeys`, which the attention kernel decodes
+  inside its loop);
 - the compressor's pending rows (`pending`, `set_pending`) and the token history Engram needs.
 
 `TrainingKVCache` keeps fp32 tensors of one call, already rounded to the storage formats
@@ -23,6 +26,7 @@ import torch
 from cedlm.kv_layout import KVLayout
 from cedlm.model.state import SequenceState
 from cedlm.kernels import decode, encode
+from cedlm.kernels.attention import PackedKeys
 from cedlm.kernels.gate import reference_kernels
 
 BIG = 1 << 62    # "never visible" end position of padding entries
@@ -32,6 +36,7 @@ class KVCache(Protocol):
     dense: bool                           # attention over all entries (reference) or a gather
 
     def window(self, layer: int, kv: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def window_keys(self, layer: int, kv: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor | PackedKeys, torch.Tensor]: ...
     def push_stash(self, layer: int, kv: torch.Tensor, pos: torch.Tensor) -> None: ...
     def global_window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def pending(self, src: int, b: int): ...
@@ -42,6 +47,7 @@ class KVCache(Protocol):
     def index_bytes(self, src: int) -> tuple[torch.Tensor, torch.Tensor, object] | None: ...
     def all_kv(self, src: int) -> torch.Tensor: ...
     def gather_kv(self, src: int, idx: torch.Tensor) -> torch.Tensor: ...
+    def selected_kv(self, src: int, idx: torch.Tensor) -> torch.Tensor | PackedKeys: ...
     def history(self, first_pos: list[int], n: int) -> list[list[int]]: ...
 
 
@@ -84,6 +90,8 @@ class TrainingKVCache(_Stash):
     def window(self, layer, kv, pos):
         return kv, pos                            # this call's rows are the whole context
 
+    window_keys = window
+
     def global_window(self, layer):
         return self.stash
 
@@ -125,6 +133,8 @@ class TrainingKVCache(_Stash):
         B = idx.shape[0]
         return self.all_kv(src)[torch.arange(B)[:, None, None], idx]
 
+    selected_kv = gather_kv
+
     def history(self, first_pos, n):
         return [[] for _ in first_pos]
 
@@ -150,6 +160,26 @@ class ByteKVCache(_Stash):
         for b, st in enumerate(self.states):
             st.window_write(layer, kv[b], pos[b])
         return self._cat_padded(olds, kv, pos)
+
+    def window_keys(self, layer, kv, pos):
+        """`window` for the attention: on the fast path at one new position per sequence (decode),
+        the keys stay packed: this call's rows are written to the rings first and every ring slot
+        is a key (`PackedKeys` over the stacked rings, index [B, slots]), its position beside it
+        (-1 for an empty slot; the caller's validity mask keeps the slots inside the window). The
+        ring then holds exactly the rows `window` returns: the sliding window's positions up to
+        this one, stored, with no decoded float32 copy. Else (a longer chunk, whose early queries
+        need rows the ring overwrites, or the reference switch) `window`."""
+        if reference_kernels() or kv.shape[1] != 1:
+            return self.window(layer, kv, pos)
+        for b, st in enumerate(self.states):
+            st.window_write(layer, kv[b], pos[b])
+        rings = [st.window[layer] for st in self.states]
+        ring = rings[0].unsqueeze(0) if len(rings) == 1 else torch.stack(rings)     # [B, slots, wb]
+        rpos = torch.stack([st.window_pos[layer] for st in self.states])          # [B, slots]
+        B, slots, wb = ring.shape
+        keys = PackedKeys(ring.view(B * slots, wb), torch.arange(B * slots).view(B, slots),
+                          self.layout.window_fmt, self.layout.window_dim)
+        return keys, rpos
 
     def _window_batched(self, layer, kv, pos):
         """`window` for every sequence at once (the fast path; same result as the per-sequence
@@ -261,6 +291,31 @@ class ByteKVCache(_Stash):
                        torch.zeros(T, k, rows.width, dtype=torch.uint8))
         spec = self.layout.row("kv", src)
         return decode(torch.stack(raw), spec.fmt, spec.dim)
+
+    def selected_kv(self, src, idx):
+        """The selected entries for the attention: on the fast path still packed, as `PackedKeys`
+        over the sequences' row store (the engine's pool: its rows are read in place; contiguous
+        rows of several sequences: only the selected rows' bytes are gathered), which the
+        attention kernel decodes inside its loop; under the reference switch, or while no
+        sequence has an entry yet, `gather_kv`'s decoded rows."""
+        rows = [st.kv[src] for st in self.states]
+        if reference_kernels() or not any(r.n for r in rows):
+            return self.gather_kv(src, idx)
+        spec = self.layout.row("kv", src)
+        stores, ids = [], []
+        for b, r in enumerate(rows):                   # row ids in each sequence's block store
+            data, blocks = r.blocks()
+            per = data.shape[1]
+            i = idx[b].clamp(0, max(r.n - 1, 0))
+            table = torch.tensor(blocks if r.n else [0], dtype=torch.int64)
+            stores.append(data)
+            ids.append(table[i // per] * per + i % per if r.n else torch.zeros_like(i))
+        if all(d.data_ptr() == stores[0].data_ptr() and d.shape == stores[0].shape for d in stores):
+            store, index = stores[0].view(-1, spec.width), torch.stack(ids)        # one pool
+        else:                                          # separate stores: gather the bytes
+            raw = torch.stack([d.view(-1, spec.width)[i] for d, i in zip(stores, ids)])
+            store, index = raw.view(-1, spec.width), torch.arange(idx.numel()).view(idx.shape)
+        return PackedKeys(store, index, spec.fmt, spec.dim)
 
     def history(self, first_pos, n):
         return [st.token_ids[max(0, p - n): p] for st, p in zip(self.states, first_pos)]

@@ -42,6 +42,11 @@ class ByteRows:
         """Rows at entry indices idx [...] -> [..., width] (indices must be < n)."""
         return self.buf[idx]
 
+    def blocks(self) -> tuple[torch.Tensor, list[int]]:
+        """The rows as a pool of blocks and this sequence's block ids: ([1, capacity, width],
+        [0]): one block (the compiled decode step reads paged and contiguous rows alike)."""
+        return self.buf.unsqueeze(0), [0]
+
     def truncate(self, n: int) -> None:
         self.n = min(self.n, n)
 

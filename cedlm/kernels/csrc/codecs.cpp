@@ -201,6 +201,8 @@ int64_t grain(int64_t dim) { return std::max<int64_t>(1, 32768 / std::max<int64_
 
 }  // namespace
 
+#include "attend_packed.h"  // attention over packed rows: uses decode_row above (read its header)
+
 void set_tables(at::Tensor e2m1_code, at::Tensor e2m1_value, at::Tensor e2m1_pair,
                 at::Tensor e4m3_code, at::Tensor e4m3, at::Tensor ue8m0, bool nan_s_wins) {
   auto ok = [](const at::Tensor& t, at::ScalarType dt, int64_t n) {
@@ -536,6 +538,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("index_score", &index_score);
   m.def("stable_topk", &stable_topk);
   m.def("attend_sparse", &attend_sparse);
+  m.def("attend_packed", &attend_packed);
   m.def("set_avx2", &set_avx2);
   m.def("abi_version", &abi_version);
 }
