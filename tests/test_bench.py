@@ -36,7 +36,10 @@ ROW_KEYS = {
                 "memcpy_s", "memcpy_input_s", "codec_gbps", "memcpy_gbps", "ratio",
                 "ratio_vs_input_memcpy", "spread", "v41"},
     "peer": {"batch", "context", "new_tokens", "ced_s", "hf_s", "ced_tokens_per_s",
-             "hf_tokens_per_s", "ratio", "spread"},
+             "hf_tokens_per_s", "ratio", "spread", "llamacpp_f32_tokens_per_s",
+             "llamacpp_f16_tokens_per_s", "ratio_vs_llamacpp_f32", "ratio_vs_llamacpp_f16",
+             "ced_bandwidth_fraction", "llamacpp_f32_bandwidth_fraction",
+             "llamacpp_f16_bandwidth_fraction"},
     "dspark": {"batch", "config", "decode_s", "decode_tokens", "tokens_per_s", "speedup", "identical"},
 }
 
@@ -166,3 +169,107 @@ def test_engine_options_reach_the_figures_or_say_why_not():
     assert lines == ["kv_bytes: --max-num-seqs 3 not applied (the figure fixes max_num_seqs = 1)"]
     with pytest.raises(SystemExit, match="max_num_seqs: must be positive"):
         cli.main(["--only", "kv_bytes", "--max-num-seqs", "0"])
+
+
+# ============================================================================ peer: llama.cpp, bandwidth
+def test_active_parameters_match_a_hand_count():
+    """CED's weights read per decoded token = everything but the Engram tables, the unselected
+    routed experts and all embedding rows but one (tiny preset, counted by hand from the config)."""
+    from cedlm.bench.common import ced_decode_fn
+    from cedlm.bench.weight_reads import active_parameters
+    from cedlm.model import CEDModel
+    cfg = ModelConfig.preset("tiny")
+    m = CEDModel(cfg).eval()
+    D, L, V, E, k = cfg.hidden_size, cfg.n_layers, cfg.vocab_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    expert = 3 * D * cfg.moe_intermediate_size                     # w1, w2, w3
+    tables = sum(cfg.engram_num_embeddings) * cfg.engram_head_dim
+    hand = m.num_parameters() - tables - L * (E - k) * expert - (V - 1) * D
+    a = active_parameters(m)
+    assert a["total"] == hand
+    assert a["routed_experts"] == L * k * expert
+    assert a["shared_experts"] == L * cfg.n_shared_experts * expert
+    assert a["embedding_row"] == D and a["head"] == V * D + D      # head + final norm
+    assert a["total"] == sum(v for n, v in a.items() if n != "total")
+    # the figure's one CED decode step is the model's decode today
+    st = m.new_state()
+    m.prefill(torch.randint(0, V, (9,)), st, "bounded")
+    assert ced_decode_fn(m)(torch.tensor([5]), [st]).shape == (1, V)
+
+
+def test_read_bandwidth_is_positive_and_checks_its_arguments():
+    from cedlm.bench.weight_reads import bandwidth_fraction, read_bandwidth
+    before = torch.get_num_threads()
+    bw = read_bandwidth(1 << 22, repeats=2)
+    assert bw["bytes"] == 1 << 22 and bw["bytes_per_s"] > 0 and bw["threads"] == 1
+    assert torch.get_num_threads() == before
+    assert bandwidth_fraction(100, 2.0, 400.0) == 0.5 and bandwidth_fraction(None, 2.0, 1.0) is None
+    for kw, field in (({"nbytes": 0}, "nbytes"), ({"repeats": 0}, "repeats"), ({"threads": 0}, "threads")):
+        with pytest.raises(ValueError, match=field):
+            read_bandwidth(**{"nbytes": 1 << 10, **kw})
+
+
+def _peer_rows(llama: bool) -> dict:
+    rows = []
+    for C in (512, 2048):
+        for B in (1, 8):
+            m = llama and B == 1
+            rows.append({"context": C, "batch": B, "ced_tokens_per_s": 60.0, "hf_tokens_per_s": 99.0,
+                         "llamacpp_f32_tokens_per_s": 120.0 if m else None,
+                         "llamacpp_f16_tokens_per_s": 200.0 if m else None,
+                         "ratio_vs_llamacpp_f32": 0.5 if m else None,
+                         "ratio_vs_llamacpp_f16": 0.3 if m else None,
+                         "target_vs_llamacpp_f32": 1.0 if B == 1 else None,
+                         "ced_bandwidth_fraction": 0.2 if B == 1 else None,
+                         "llamacpp_f32_bandwidth_fraction": 0.7 if m else None,
+                         "llamacpp_f16_bandwidth_fraction": 0.6 if m else None})
+    return {"rows": rows, "config": {"read_bandwidth": {"bytes_per_s": 16e9}, "ced_bytes_per_token": 37.5e6,
+                                     "llamacpp_weights": {"f32": {"bytes_per_token": 66e6}} if llama else None,
+                                     "llamacpp_batch8": "n/a", "llama_cpp": "llama-cpp-python x"}}
+
+
+def test_peer_llamacpp_targets_and_table():
+    from cedlm.bench import peer_llamacpp as pl
+    res = _peer_rows(True)
+    t = pl.targets(res["rows"], [512, 2048])
+    assert set(t) == {"vs_llamacpp_f32_512", "vs_llamacpp_f32_2048", "bandwidth_fraction"}
+    assert t["vs_llamacpp_f32_512"]["measured"] == 0.5 and t["vs_llamacpp_f32_512"]["met"] is False
+    assert t["bandwidth_fraction"]["value"] == 0.5 and t["bandwidth_fraction"]["measured"] == 0.2
+    assert "0.70 / 0.60" in t["bandwidth_fraction"]["note"]
+    tab = pl.table(res)
+    assert "llama.cpp F32" in tab and "| 512 " in tab and "66.0 MB/token" in tab
+    skipped = pl.targets(_peer_rows(False)["rows"], [512])
+    assert skipped["vs_llamacpp_f32_512"]["measured"] is None and skipped["vs_llamacpp_f32_512"]["met"] is None
+    assert "n/a / n/a" in skipped["bandwidth_fraction"]["note"]
+
+
+def test_peer_llamacpp_runs_a_tiny_llama():
+    """Convert a tiny HF Llama with llama.cpp's converter, decode greedily in llama.cpp, rewind."""
+    import importlib.util
+    from cedlm.bench import peer_llamacpp as pl
+    missing = [m for m in ("llama_cpp", "transformers", "gguf", "sentencepiece")
+               if importlib.util.find_spec(m) is None]
+    if missing or pl._gguf_missing() or not (pl.converter_dir() / pl.CONVERTER).is_file():
+        pytest.skip(f"llama.cpp peer not installed (missing {missing or 'the converter / a matching gguf'}; "
+                    f"opt-in: `cedlm bench --only peer --install-peer` installs it)")
+    import transformers
+    from cedlm.bench.peer import llama_for
+    cfg = ModelConfig.preset("tiny")
+    hf = llama_for(transformers, 2_000_000, cfg, 256)
+    llama_cpp, how, script = pl.ensure_llama_cpp(False, log=lambda s: None)
+    assert llama_cpp is not None, how
+    lcp = pl.LlamaCppPeer(llama_cpp, how, hf, script, log=lambda s: None)
+    try:
+        params = sum(p.numel() for p in hf.parameters())
+        D, V = cfg.hidden_size, cfg.vocab_size
+        assert lcp.weights["f32"] == {"params": params, "bytes_per_token": 4 * (params - (V - 1) * D)}
+        assert lcp.weights["f16"]["params"] == params
+        assert lcp.weights["f32"]["bytes_per_token"] / 2.1 < lcp.weights["f16"]["bytes_per_token"] \
+            < lcp.weights["f32"]["bytes_per_token"] / 1.9
+        streams = lcp.streams(32, 4, threads=1, seed=0)
+        for s in streams.values():
+            first = s.decode(4)
+            assert len(first) == 4 and all(0 <= t < V for t in first)
+            assert s.decode(4) == first and s.prefill_s > 0           # rewound to the same context
+            s.close()
+    finally:
+        lcp.close()

@@ -419,3 +419,11 @@ def test_bench_installs_nothing_unless_asked(monkeypatch):
     monkeypatch.setattr(subprocess, "run", no_pip)
     tf, how = peer.ensure_transformers(False, log=lambda s: None)
     assert tf is None and "--install-peer" in how
+    # the llama.cpp peer: absent -> one line that says what is missing and how to opt in
+    from cedlm.bench import peer_llamacpp
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("transformers", "llama_cpp") else real(name, *a))
+    lc, how, script = peer_llamacpp.ensure_llama_cpp(False, log=lambda s: None)
+    assert lc is None and script is None and "\n" not in how
+    assert how.startswith("llama.cpp peer skipped") and peer_llamacpp.LLAMA_CPP_PIN in how
+    assert "--install-peer" in how

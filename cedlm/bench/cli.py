@@ -26,8 +26,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch intra-op threads (default 1)")
     p.add_argument("--install-peer", action="store_true",
-                   help="peer figure: pip-install transformers into this environment when it is "
-                        "absent (default: skip the figure with a message)")
+                   help="peer figure: pip-install transformers, llama-cpp-python (a source "
+                        "build: minutes), gguf and sentencepiece into this environment when "
+                        "absent (default: skip the figure or its llama.cpp columns with a message)")
+    p.add_argument("--peer-contexts", metavar="N,...",
+                   help="peer figure: the contexts to run (default 512,2048,8192,32768; --quick: 512)")
     p.add_argument("--no-install", action="store_true",
                    help="(the default; kept for compatibility) never pip-install anything")
     p.add_argument("--no-profile", action="store_true", help="do not profile missed targets")
@@ -66,6 +69,15 @@ def run(args) -> int:
         EngineConfig(**engine_options)
     except ValueError as e:
         raise SystemExit(f"cedlm bench: error: {e}")
+    peer_contexts = None
+    if args.peer_contexts:
+        try:
+            peer_contexts = [int(x) for x in args.peer_contexts.split(",") if x.strip()]
+        except ValueError:
+            peer_contexts = []
+        if not peer_contexts or min(peer_contexts) < 1:
+            raise SystemExit(f"cedlm bench: error: --peer-contexts: positive integers separated "
+                             f"by commas, got {args.peer_contexts!r}")
     out = args.out or (QUICK_OUT if args.quick else FULL_OUT)
     md = args.md
     if md is None:
@@ -73,7 +85,8 @@ def run(args) -> int:
     ctx = Ctx(quick=args.quick, out=out, threads=args.threads,
               install=args.install_peer and not args.no_install,
               profile=not args.no_profile, seed=args.seed, log=lambda s: print(s, flush=True),
-              dspark_model=args.dspark_model, engine_options=engine_options)
+              dspark_model=args.dspark_model, engine_options=engine_options,
+              peer_contexts=peer_contexts)
     results = run_figures(names, ctx, md)
     print(f"results: {out}/  report: {md}")
     return 1 if any(r.get("error") for r in results) else 0

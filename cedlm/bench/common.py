@@ -78,7 +78,8 @@ class Ctx:
     quick: bool = False
     out: Path = Path("bench/results")
     threads: int = 1
-    install: bool = False                # peer figure: pip-install transformers if absent (opt-in)
+    install: bool = False                # peer figure: pip-install its peers if absent (opt-in)
+    peer_contexts: list | None = None    # peer figure: contexts to run (default: its own sweep)
     profile: bool = True                 # profile figures that miss their target
     seed: int = 0
     log: object = print
@@ -128,6 +129,13 @@ class Ctx:
         if key not in self._models:
             self._models[key] = build()
         return self._models[key]
+
+
+def ced_decode_fn(model):
+    """The one CED decode step the peer figure times: a callable `(ids, states) -> logits`
+    (ids: one token per state, logits: [len(states), vocab]). Today `model.decode`, the eager
+    step; the place to switch the figure to a compiled step."""
+    return model.decode
 
 
 def _build_ced(cfg: ModelConfig, seed: int):
