@@ -15,7 +15,9 @@
 // attend.h's (the same 4-lane dot products), the exponentials are taken against the running max
 // and rescaled when it grows, and the sum is divided by the softmax's denominator at the end. So
 // the output agrees with the reference (and with attend_sparse) to float32 rounding, not bit for
-// bit; tests/test_attend_packed.py states the tolerance.
+// bit; tests/test_attend_packed.py states the tolerance. Where the CPU has AVX2 + FMA (and
+// CEDLM_KERNEL_ISA is not sse2) the dot products and the weighted sum run in 8-lane fused
+// multiply-adds, chosen at run time like the indexer's scorer (another float32 rounding).
 #pragma once
 
 namespace cedlm_attend {
@@ -29,14 +31,121 @@ struct RowStore {
   int64_t kind = -1, block = 0;
 };
 
+// The two inner loops of a tile of c keys (key[j], j < c), for heads h0..h1 (h1 - h0 <= 4 when
+// `wide`): scores s[h * TILE + j] = q_h . key[j] * scale, and acc[h] += e[h * TILE + j] * key[j].
+// Portable version: attend.h's 4-lane dot products (dot4x4 for four heads: the key read once).
+inline void tile_scores(const float* q, int64_t H, int64_t hd, const float* const* key, int64_t c,
+                        float scale, float* s) {
+  constexpr int64_t TILE = cedlm_index::KEY_TILE;
+  int64_t h = 0;
+  for (; h + 4 <= H; h += 4)
+    for (int64_t j = 0; j < c; ++j) {
+      float d[4];
+      cedlm_index::dot4x4(q + h * hd, hd, key[j], d);
+      for (int i = 0; i < 4; ++i) s[(h + i) * TILE + j] = d[i] * scale;
+    }
+  for (; h < H; ++h)
+    for (int64_t j = 0; j < c; ++j) s[h * TILE + j] = cedlm_index::dot4(q + h * hd, key[j], hd) * scale;
+}
+
+inline void tile_accumulate(int64_t H, int64_t hd, const float* const* key, int64_t c,
+                            const float* e, float* acc) {
+  constexpr int64_t TILE = cedlm_index::KEY_TILE;
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t j = 0; j < c; ++j) {
+      const float w = e[h * TILE + j];
+      const float* v = key[j];
+      float* o = acc + h * hd;
+      for (int64_t d = 0; d < hd; ++d) o[d] = o[d] + w * v[d];
+    }
+}
+
+#ifdef CEDLM_INDEX_AVX2
+// The same with 8-lane fused multiply-adds (AVX2 + FMA, chosen at run time like the indexer's
+// scorer; hd % 8 == 0): four heads against each key, and the output accumulated 8 dims at a time
+// over the whole tile with four heads' sums held in registers (each key row loaded once).
+__attribute__((target("avx2,fma")))
+inline void tile_scores_avx2(const float* q, int64_t H, int64_t hd, const float* const* key,
+                             int64_t c, float scale, float* s) {
+  constexpr int64_t TILE = cedlm_index::KEY_TILE;
+  int64_t h = 0;
+  for (; h + 4 <= H; h += 4) {
+    const float* qh = q + h * hd;
+    for (int64_t j = 0; j < c; ++j) {
+      __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
+      __m256 c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
+      for (int64_t d = 0; d < hd; d += 8) {
+        const __m256 kv = _mm256_loadu_ps(key[j] + d);
+        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), kv, c0);
+        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + hd + d), kv, c1);
+        c2 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 2 * hd + d), kv, c2);
+        c3 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 3 * hd + d), kv, c3);
+      }
+      s[h * TILE + j] = cedlm_index::hsum8(c0) * scale;
+      s[(h + 1) * TILE + j] = cedlm_index::hsum8(c1) * scale;
+      s[(h + 2) * TILE + j] = cedlm_index::hsum8(c2) * scale;
+      s[(h + 3) * TILE + j] = cedlm_index::hsum8(c3) * scale;
+    }
+  }
+  for (; h < H; ++h)
+    for (int64_t j = 0; j < c; ++j) {
+      __m256 c0 = _mm256_setzero_ps();
+      for (int64_t d = 0; d < hd; d += 8)
+        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * hd + d), _mm256_loadu_ps(key[j] + d), c0);
+      s[h * TILE + j] = cedlm_index::hsum8(c0) * scale;
+    }
+}
+
+__attribute__((target("avx2,fma")))
+inline void tile_accumulate_avx2(int64_t H, int64_t hd, const float* const* key, int64_t c,
+                                 const float* e, float* acc) {
+  constexpr int64_t TILE = cedlm_index::KEY_TILE;
+  int64_t h = 0;
+  for (; h + 4 <= H; h += 4)
+    for (int64_t d = 0; d < hd; d += 8) {
+      float* o = acc + h * hd + d;
+      __m256 a0 = _mm256_loadu_ps(o), a1 = _mm256_loadu_ps(o + hd);
+      __m256 a2 = _mm256_loadu_ps(o + 2 * hd), a3 = _mm256_loadu_ps(o + 3 * hd);
+      const float* eh = e + h * TILE;
+      for (int64_t j = 0; j < c; ++j) {
+        const __m256 v = _mm256_loadu_ps(key[j] + d);
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(eh[j]), v, a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(eh[TILE + j]), v, a1);
+        a2 = _mm256_fmadd_ps(_mm256_set1_ps(eh[2 * TILE + j]), v, a2);
+        a3 = _mm256_fmadd_ps(_mm256_set1_ps(eh[3 * TILE + j]), v, a3);
+      }
+      _mm256_storeu_ps(o, a0); _mm256_storeu_ps(o + hd, a1);
+      _mm256_storeu_ps(o + 2 * hd, a2); _mm256_storeu_ps(o + 3 * hd, a3);
+    }
+  for (; h < H; ++h)
+    for (int64_t d = 0; d < hd; d += 8) {
+      __m256 a0 = _mm256_loadu_ps(acc + h * hd + d);
+      for (int64_t j = 0; j < c; ++j)
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(e[h * TILE + j]), _mm256_loadu_ps(key[j] + d), a0);
+      _mm256_storeu_ps(acc + h * hd + d, a0);
+    }
+}
+#endif
+
+// Whether the AVX2 + FMA loops run for head dim hd (CPU, build, CEDLM_KERNEL_ISA; set_avx2).
+inline bool use_avx2(int64_t hd) {
+#ifdef CEDLM_INDEX_AVX2
+  static const bool cpu = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return cpu && cedlm_index::allow_avx2() && hd % 8 == 0;
+#else
+  (void)hd;
+  return false;
+#endif
+}
+
 // Keys slot[0..n) of one query (rows idx[i] of the store, only where valid[i]): online softmax
 // state per head (m running max, l denominator, acc [H, hd] unnormalised output) updated in
 // tiles of KEY_TILE keys; decode(row, dst) writes a packed row's hd floats.
 template <class Decode>
 inline void attend_keys(const float* q, int64_t H, int64_t hd, const RowStore& st,
                         const int64_t* idx, const uint8_t* valid, int64_t n, float scale,
-                        Decode decode, float* tile, const float** key, float* s, float* m,
-                        float* l, float* acc) {
+                        Decode decode, bool avx2, float* tile, const float** key, float* s,
+                        float* m, float* l, float* acc) {
   constexpr int64_t TILE = cedlm_index::KEY_TILE;
   for (int64_t a = 0; a < n; a += TILE) {
     const int64_t b = std::min(a + TILE, n);
@@ -53,33 +162,32 @@ inline void attend_keys(const float* q, int64_t H, int64_t hd, const RowStore& s
       ++c;
     }
     if (c == 0) continue;
-    int64_t h = 0;
-    for (; h + 4 <= H; h += 4)                        // four heads per key: the key read once
-      for (int64_t j = 0; j < c; ++j) {
-        float d[4];
-        cedlm_index::dot4x4(q + h * hd, hd, key[j], d);
-        for (int i = 0; i < 4; ++i) s[(h + i) * TILE + j] = d[i] * scale;
-      }
-    for (; h < H; ++h)
-      for (int64_t j = 0; j < c; ++j) s[h * TILE + j] = cedlm_index::dot4(q + h * hd, key[j], hd) * scale;
-    for (int64_t h = 0; h < H; ++h) {
+#ifdef CEDLM_INDEX_AVX2
+    if (avx2) tile_scores_avx2(q, H, hd, key, c, scale, s);
+    else
+#endif
+      tile_scores(q, H, hd, key, c, scale, s);
+    for (int64_t h = 0; h < H; ++h) {                 // running max, rescale, exponentials
       float* sh = s + h * TILE;
       float mx = m[h];
       for (int64_t j = 0; j < c; ++j) mx = std::max(mx, sh[j]);
-      float* o = acc + h * hd;
       if (mx > m[h]) {                                // rescale what was summed so far
         const float r = std::exp(m[h] - mx);
+        float* o = acc + h * hd;
         l[h] = l[h] * r;
         for (int64_t d = 0; d < hd; ++d) o[d] = o[d] * r;
         m[h] = mx;
       }
       for (int64_t j = 0; j < c; ++j) {
-        const float e = std::exp(sh[j] - mx);
-        l[h] = l[h] + e;
-        const float* v = key[j];
-        for (int64_t d = 0; d < hd; ++d) o[d] = o[d] + e * v[d];
+        sh[j] = std::exp(sh[j] - mx);
+        l[h] = l[h] + sh[j];
       }
     }
+#ifdef CEDLM_INDEX_AVX2
+    if (avx2) tile_accumulate_avx2(H, hd, key, c, s, acc);
+    else
+#endif
+      tile_accumulate(H, hd, key, c, s, acc);
   }
 }
 
@@ -106,6 +214,21 @@ cedlm_attend::RowStore row_store(const torch::Tensor& rows, int64_t kind, int64_
     st.bytes = rows.data_ptr<uint8_t>();
   }
   return st;
+}
+
+// One packed key row -> hd floats: decode_row (the codec's decode), with the FP8 window's
+// element loop written without the NaN-times-NaN rule where the block's scale is not NaN (then
+// q * s is that rule's result too: the same values, bit for bit).
+void decode_key(const uint8_t* br, int64_t kind, int64_t dim, int64_t block, float* orow) {
+  if (kind != WINDOW_FP8) return decode_row(br, kind, dim, block, orow);
+  const int64_t tiles = dim / block;
+  for (int64_t k = 0; k < tiles; ++k) {
+    const float s = scale_value(kind, br[dim + k]);
+    if (std::isnan(s)) return decode_row(br, kind, dim, block, orow);
+    const uint8_t* d = br + k * block;
+    float* o = orow + k * block;
+    for (int64_t j = 0; j < block; ++j) o[j] = T.e4m3[d[j]] * s;
+  }
 }
 
 // Every index of a valid slot names a row of the store (invalid slots are never read).
@@ -161,6 +284,7 @@ torch::Tensor attend_packed(torch::Tensor q, torch::Tensor win_rows, torch::Tens
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   constexpr int64_t TILE = cedlm_index::KEY_TILE;
+  const bool avx2 = cedlm_attend::use_avx2(hd);
   at::parallel_for(0, B * T, 1, [&](int64_t r0, int64_t r1) {
     alignas(32) float tile[TILE * cedlm_index::MAX_DIM];
     const float* key[TILE];
@@ -170,10 +294,10 @@ torch::Tensor attend_packed(torch::Tensor q, torch::Tensor win_rows, torch::Tens
       for (int64_t h = 0; h < H; ++h) { m[h] = sp[h]; l[h] = 1.f; }   // the sink: exp(0)
       std::fill(acc.begin(), acc.end(), 0.f);
       const float* qr = qp + r * H * hd;
-      cedlm_attend::attend_keys(qr, H, hd, ws, wi + b * W, wv + r * W, W, sc, decode_row, tile,
-                                key, s.data(), m.data(), l.data(), acc.data());
-      cedlm_attend::attend_keys(qr, H, hd, cs, ci + r * K, cv + r * K, K, sc, decode_row, tile,
-                                key, s.data(), m.data(), l.data(), acc.data());
+      cedlm_attend::attend_keys(qr, H, hd, ws, wi + b * W, wv + r * W, W, sc, decode_key, avx2,
+                                tile, key, s.data(), m.data(), l.data(), acc.data());
+      cedlm_attend::attend_keys(qr, H, hd, cs, ci + r * K, cv + r * K, K, sc, decode_key, avx2,
+                                tile, key, s.data(), m.data(), l.data(), acc.data());
       float* o = op + r * H * hd;
       for (int64_t h = 0; h < H; ++h)
         for (int64_t d = 0; d < hd; ++d) o[h * hd + d] = acc[h * hd + d] / l[h];
