@@ -17,6 +17,11 @@ import torch
 # processes on a shared 2-core machine (measured: 20x slower decode with 2 threads under load).
 torch.set_num_threads(1)
 
+# Engines in the suite run the static decode step WITHOUT torch.compile (its logic, exercised by
+# every engine test, at no compile cost per model); tests/test_compiled_step.py compiles it and
+# compares it with the eager reference. A subprocess (cedlm serve) inherits the choice.
+os.environ.setdefault("CEDLM_DECODE_STEP", "static")
+
 
 def tool_unavailable(require_var: str, reason: str):
     """An outside program a test needs is missing: fail when CI demands it (`require_var`=1, as

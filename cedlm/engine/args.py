@@ -18,6 +18,7 @@ from typing import Any
 
 from cedlm.engine.speculative import METHODS, SpeculativeConfig
 from cedlm.model import PREFILL_MODES
+from cedlm.model.compiled_step import MODES as DECODE_STEPS
 from cedlm.model.replay import REPLAY_MODES
 
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -51,6 +52,10 @@ class EngineConfig:
     enable_prefix_cache: bool = _opt(True, "share KV blocks of common prompt prefixes", "--no-prefix-cache")
     max_model_len: int | None = _opt(None, "context length (default: the model's max_position_embeddings)",
                                      type=int)
+    decode_step: str | None = _opt(None, "how a decode step runs: compiled (the static step "
+                                   "through torch.compile), static (the same step uncompiled), eager "
+                                   "(the reference model.decode); default compiled, or $CEDLM_DECODE_STEP",
+                                   choices=list(DECODE_STEPS))
 
     def __post_init__(self):
         if self.prefill_mode not in PREFILL_MODES:
@@ -60,6 +65,8 @@ class EngineConfig:
         for name in ("kv_budget_bytes", "max_num_seqs", "block_tokens", "prefill_chunk"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.decode_step is not None and self.decode_step not in DECODE_STEPS:
+            raise ValueError(f"decode_step: {self.decode_step!r} is not one of {DECODE_STEPS}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len: must be positive, got {self.max_model_len}")
 

@@ -41,6 +41,7 @@ from cedlm.engine.scheduler import Scheduler
 from cedlm.engine.speculative import DSparkSpeculator, SpeculativeConfig, can_speculate
 from cedlm.engine.stop import StopChecker
 from cedlm.model import CEDModel
+from cedlm.model.compiled_step import CompiledDecode
 from cedlm.model.state import SequenceState
 
 __all__ = ["Engine", "EngineConfig", "EngineSnapshot", "StepOutput"]
@@ -79,6 +80,8 @@ class Engine:
                                    max_num_seqs=self.cfg.max_num_seqs,
                                    prefill_chunk=self.cfg.prefill_chunk, max_model_len=self.max_model_len)
         self.sampler = Sampler()
+        # One token per sequence: the compiled static step, or the reference (compiled_step.py).
+        self.decoder = CompiledDecode(model, self.cfg.decode_step, log=log.info)
         self.requests: dict[str, Request] = {}
         self.runs: dict[str, SequenceRuntime] = {}   # request id -> the engine's objects for it
         self.peak: dict[str, int] = {}           # peak KV bytes in use, by kind
@@ -332,7 +335,7 @@ class Engine:
 
     def _decode_plain(self, reqs: list[Request]) -> None:
         ids = [r.output_ids[-1] for r in reqs]
-        logits = self.model.decode(ids, [self._touch(r).state for r in reqs])
+        logits = self.decoder(ids, [self._touch(r).state for r in reqs])
         for r in reqs:
             self.scheduler.advance(r, 1)
         self._accept(reqs, logits)

@@ -77,8 +77,11 @@ class SequenceState:
         # by prefill and replay to splice the image rows in (cedlm.model.vision.splice).
         self.images: list = []
         win, wb = layout.window_slots, layout.window_entry_bytes
-        self.window = {l: torch.zeros(win, wb, dtype=torch.uint8) for l in range(layout.n_layers)}
-        self.window_pos = {l: torch.full((win,), -1, dtype=torch.int64) for l in range(layout.n_layers)}
+        # One tensor of every layer's ring ([layers, slots, bytes] and [layers, slots]); the
+        # per-layer rings are views of it (the compiled decode step reads and writes it whole).
+        self.window_all = torch.zeros(layout.n_layers, win, wb, dtype=torch.uint8)
+        self.window_pos_all = torch.full((layout.n_layers, win), -1, dtype=torch.int64)
+        self._ring_views()
         rows = rows or (lambda spec: ByteRows(spec.width))
         self.kv = {spec.layer: rows(spec) for spec in layout.rows_of("kv")}
         self.index = {spec.layer: rows(spec) for spec in layout.rows_of("idx")}
@@ -86,6 +89,10 @@ class SequenceState:
         self.pending = {s: (torch.zeros(0, d), torch.zeros(0, d)) for s, _, d in layout.pending}
 
     # ---------------------------------------------------------------- window ring
+    def _ring_views(self) -> None:
+        self.window = {l: self.window_all[l] for l in range(self.window_all.shape[0])}
+        self.window_pos = {l: self.window_pos_all[l] for l in range(self.window_pos_all.shape[0])}
+
     def window_before(self, layer: int, first_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantised ring entries with position < first_pos: ([W, hd] fp32, [W] positions)."""
         pos = self.window_pos[layer]
@@ -113,8 +120,9 @@ class SequenceState:
     def copy_windows_from(self, other: "SequenceState") -> None:
         """Clone the per-sequence rows of `other` (window rings, compressor pending rows): what a
         forked sample needs beside the shared global rows."""
-        self.window = {l: w.clone() for l, w in other.window.items()}
-        self.window_pos = {l: w.clone() for l, w in other.window_pos.items()}
+        self.window_all = other.window_all.clone()
+        self.window_pos_all = other.window_pos_all.clone()
+        self._ring_views()
         self.pending = {k: (kv.clone(), g.clone()) for k, (kv, g) in other.pending.items()}
         self.images = list(other.images)
 

@@ -1,0 +1,222 @@
+"""The compiled kernels as torch custom ops (``torch.ops.cedlm.*``), for code that torch.compile
+traces: the compiled decode step (``cedlm/model/step.py``) calls these, and inductor keeps each as
+one opaque call instead of breaking its graph at a pybind function.
+
+Each op runs the compiled kernel when the gate allows it (``gate.ext_op``: built, not forced to
+the reference, the CPU) and otherwise the same torch code as the eager path, so a graph traced
+with the kernels missing still runs and agrees. A fake (meta) implementation gives torch.compile
+the output shapes. The ops are defined with ``torch.library.Library`` and a CPU kernel (a few
+microseconds of dispatch, measured against about 45 for ``torch.library.custom_op``, whose
+autograd wrapper these inference-only ops do not need), and call the extension's functions
+directly. The codec ops are bit-identical to ``cedlm.kernels.encode`` / ``decode`` /
+``quant_dequant`` (they call them); the others agree with their references as the eager fast
+paths do (``index.py``, ``attention.py``).
+
+    cedlm::encode(x, fmt)                    float [..., dim] -> uint8 [..., bytes]
+    cedlm::decode(b, fmt, dim)               uint8 [..., bytes] -> float32 [..., dim]
+    cedlm::quant_dequant(x, fmt)             float -> float32, the stored value
+    cedlm::index_score(q, w, raw, visible, fmt)   indexer scores straight from packed keys
+    cedlm::stable_topk(score, k)             top-k, ties toward the newest index
+    cedlm::attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale)   sparse attention
+    cedlm::attend_packed(q, win_rows, win_idx, win_valid, win_fmt, comp_rows, comp_idx,
+                         comp_valid, comp_fmt, sink, scale)   the same over packed row stores
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import codecs, gate
+from .codecs import ext_format
+
+NEG = float("-inf")
+
+_LIB = torch.library.Library("cedlm", "DEF")
+_SCHEMAS = {
+    "encode": "encode(Tensor x, str fmt) -> Tensor",
+    "decode": "decode(Tensor b, str fmt, int dim) -> Tensor",
+    "quant_dequant": "quant_dequant(Tensor x, str fmt) -> Tensor",
+    "index_score": "index_score(Tensor q, Tensor w, Tensor raw, Tensor visible, str fmt) -> Tensor",
+    "stable_topk": "stable_topk(Tensor score, int k) -> (Tensor, Tensor)",
+    "attend": "attend(Tensor q, Tensor win_k, Tensor win_valid, Tensor comp_k, Tensor comp_valid, "
+              "Tensor sink, float scale) -> Tensor",
+}
+for _schema in _SCHEMAS.values():
+    _LIB.define(_schema)
+
+
+def _impl(name):
+    def register(fn):
+        _LIB.impl(name, fn, "CPU")
+        return fn
+    return register
+
+
+def _fake(name):
+    def register(fn):
+        torch.library.register_fake(f"cedlm::{name}", fn, lib=_LIB)
+        return fn
+    return register
+
+
+def _codec(fmt: str):
+    """(the extension module, kind, block) for a V4.1 format the extension codes, else None."""
+    kind = ext_format(fmt)
+    if kind is None or gate.reference_kernels():
+        return None
+    mod = gate.codec_module()
+    return None if mod is None else (mod, *kind)
+
+
+# ---------------------------------------------------------------- codecs
+@_impl("encode")
+def encode(x: Tensor, fmt: str) -> Tensor:
+    ext = _codec(fmt)
+    if ext is None:
+        return codecs.encode(x, fmt)
+    mod, kind, block = ext
+    dim = x.shape[-1]
+    return mod.encode(x.reshape(-1, dim).float().contiguous(), kind, block).view(*x.shape[:-1], -1)
+
+
+@_fake("encode")
+def _(x, fmt):
+    from cedlm.quant import formats as F
+    return x.new_empty(*x.shape[:-1], F.bytes_per_entry(F.get_format(fmt), x.shape[-1]),
+                       dtype=torch.uint8)
+
+
+@_impl("decode")
+def decode(b: Tensor, fmt: str, dim: int) -> Tensor:
+    ext = _codec(fmt)
+    if ext is None:
+        return codecs.decode(b, fmt, dim)
+    mod, kind, block = ext
+    return mod.decode(b.reshape(-1, b.shape[-1]).contiguous(), kind, dim, block).view(*b.shape[:-1], dim)
+
+
+@_fake("decode")
+def _(b, fmt, dim):
+    return b.new_empty(*b.shape[:-1], dim, dtype=torch.float32)
+
+
+@_impl("quant_dequant")
+def quant_dequant(x: Tensor, fmt: str) -> Tensor:
+    ext = _codec(fmt)
+    if ext is None:
+        return codecs.quant_dequant(x, fmt).float().clone()
+    mod, kind, block = ext
+    return mod.quant_dequant(x.reshape(-1, x.shape[-1]).float().contiguous(), kind, block).view(x.shape)
+
+
+@_fake("quant_dequant")
+def _(x, fmt):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- indexer
+def _score_reference(q, w, keys, visible):
+    s = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).relu()
+    return torch.einsum("bthn,bth->btn", s, w.float()).masked_fill(~visible, NEG)
+
+
+@_impl("index_score")
+def index_score(q: Tensor, w: Tensor, raw: Tensor, visible: Tensor, fmt: str) -> Tensor:
+    """q [B,T,h,d], w [B,T,h], raw uint8 [B,N,bytes] packed keys, visible [B,T,N] -> [B,T,N]."""
+    op, kind = gate.ext_op("index_score"), ext_format(fmt)
+    if op is not None and kind is not None and raw.shape[-2] > 0:
+        return op(q.float().contiguous(), w.float().contiguous(), raw.contiguous(),
+                  visible.contiguous(), *kind)
+    keys = codecs.decode(raw, fmt, q.shape[-1])
+    return _score_reference(q, w, keys, visible)
+
+
+@_fake("index_score")
+def _(q, w, raw, visible, fmt):
+    return q.new_empty(*visible.shape, dtype=torch.float32)
+
+
+@_impl("stable_topk")
+def stable_topk(score: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(indices int64, values) of the k best along the last dim, ties toward the newest."""
+    op = gate.ext_op("stable_topk")
+    if op is not None and score.dtype == torch.float32:
+        return op(score.contiguous(), k)
+    N = score.shape[-1]
+    vals, order = torch.sort(score.flip(-1), dim=-1, descending=True, stable=True)
+    return (N - 1 - order[..., :k]).contiguous(), vals[..., :k].contiguous()
+
+
+@_fake("stable_topk")
+def _(score, k):
+    shape = (*score.shape[:-1], k)
+    return score.new_empty(shape, dtype=torch.int64), score.new_empty(shape)
+
+
+# ---------------------------------------------------------------- attention
+def attend_reference(q, win_k, win_valid, comp_k, comp_valid, sink, scale):
+    """The einsums of ``cedlm.model.attention.attend`` (sparse form): one softmax over
+    [window keys || the selected compressed keys || a per-head sink logit], K = V."""
+    qf = q.float()
+    sw = torch.einsum("bthd,bwd->bhtw", qf, win_k.float()) * scale
+    sw = sw.masked_fill(~win_valid.unsqueeze(1), NEG)
+    sc = torch.einsum("bthd,btnd->bhtn", qf, comp_k.float()) * scale
+    sc = sc.masked_fill(~comp_valid.unsqueeze(1), NEG)
+    B, H, T = sw.shape[:3]
+    p = torch.cat((sw, sc, sink.float().view(1, H, 1, 1).expand(B, H, T, 1)), -1).softmax(-1)
+    W = sw.shape[-1]
+    return (torch.einsum("bhtw,bwd->bthd", p[..., :W], win_k.float())
+            + torch.einsum("bhtn,btnd->bthd", p[..., W:-1], comp_k.float()))
+
+
+@_impl("attend")
+def attend(q: Tensor, win_k: Tensor, win_valid: Tensor, comp_k: Tensor, comp_valid: Tensor,
+           sink: Tensor, scale: float) -> Tensor:
+    """q [B,T,H,hd]; win_k [B,W,hd], win_valid [B,T,W]; comp_k [B,T,k,hd], comp_valid [B,T,k]
+    (k may be 0); sink [H] -> [B,T,H,hd] float32."""
+    op = gate.ext_op("attend_sparse")
+    if op is not None:
+        return op(q.float().contiguous(), win_k.float().contiguous(), win_valid.contiguous(),
+                  comp_k.float().contiguous(), comp_valid.contiguous(), sink.float().contiguous(),
+                  float(scale))
+    return attend_reference(q, win_k, win_valid, comp_k, comp_valid, sink, scale)
+
+
+@_fake("attend")
+def _(q, win_k, win_valid, comp_k, comp_valid, sink, scale):
+    return q.new_empty(q.shape, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- attention over packed keys
+_LIB.define("attend_packed(Tensor q, Tensor win_rows, Tensor win_idx, Tensor win_valid, str win_fmt, "
+            "Tensor comp_rows, Tensor comp_idx, Tensor comp_valid, str comp_fmt, Tensor sink, "
+            "float scale) -> Tensor")
+
+
+def _keys(rows: Tensor, idx: Tensor, fmt: str, hd: int) -> Tensor:
+    """The keys a row store gives: rows[idx] decoded by the codec (float32 rows when fmt is "")."""
+    return rows[idx].float() if fmt == "" else codecs.decode(rows[idx], fmt, hd)
+
+
+@_impl("attend_packed")
+def attend_packed(q: Tensor, win_rows: Tensor, win_idx: Tensor, win_valid: Tensor, win_fmt: str,
+                  comp_rows: Tensor, comp_idx: Tensor, comp_valid: Tensor, comp_fmt: str,
+                  sink: Tensor, scale: float) -> Tensor:
+    """``attend`` with the keys read from row stores (``attention.PackedKeys``): rows uint8
+    [R, bytes] of KV format ``*_fmt`` (or float32 [R, hd] with fmt ""), win_idx [B,W], comp_idx
+    [B,T,k] (k may be 0); the kernel decodes the rows inside its loop (csrc/attend_packed.h)."""
+    op = gate.ext_op("attend_packed")
+    kinds = [(-1, 0) if f == "" else ext_format(f) for f in (win_fmt, comp_fmt)]
+    if op is not None and None not in kinds:
+        return op(q.float().contiguous(), win_rows, win_idx.contiguous(), win_valid.contiguous(),
+                  *kinds[0], comp_rows, comp_idx.contiguous(), comp_valid.contiguous(), *kinds[1],
+                  sink.float().contiguous(), float(scale))
+    hd = q.shape[-1]
+    return attend_reference(q, _keys(win_rows, win_idx, win_fmt, hd), win_valid,
+                            _keys(comp_rows, comp_idx, comp_fmt, hd), comp_valid, sink, scale)
+
+
+@_fake("attend_packed")
+def _(q, win_rows, win_idx, win_valid, win_fmt, comp_rows, comp_idx, comp_valid, comp_fmt, sink,
+      scale):
+    return q.new_empty(q.shape, dtype=torch.float32)

@@ -1,0 +1,209 @@
+"""The compiled decode step: `step.decode_step` captured by torch.compile, fed from and written
+back to the sequences' states. `CEDModel.decode` stays the reference (and the fallback).
+
+    step = CompiledDecode(model)              # compiles on first use (cached on disk by inductor)
+    logits = step(ids, states)                # same contract as model.decode(ids, states)
+
+Before the call the host gathers plain tensors: token ids and positions, the Engram history, the
+window rings ([layers, B, slots, bytes]: a view for one sequence), each row kind's block pool and
+the batch's block table (paged rows as they are; contiguous rows as a one-block pool), entry
+counts and the pending compressor rows. After it, it writes back what the step returns: one ring
+row per layer, the completed entries (appended to the sequences' rows, which allocate blocks as
+usual), the pending rows, the token. Integer bookkeeping only; no tensor value is read back.
+
+The step runs where it is exact to the reference within float rounding and falls back to
+`model.decode` otherwise (`why_not`): decisions being recorded or replayed (a test pins them),
+an offloaded Engram table (read with numpy), a dense-reference config (index_topk covering every
+position), training mode. Modes (`decode_step` of the engine args, `CEDLM_DECODE_STEP`):
+"compiled" (default), "static" (the same static step without the compiler) and "eager"
+(`model.decode`); `CEDLM_REFERENCE_KERNELS=1` means "eager".
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from cedlm.model import step as step_
+from cedlm.model.state import SequenceState
+
+ENV_VAR = "CEDLM_DECODE_STEP"
+MODES = ("compiled", "static", "eager")
+
+
+def default_mode() -> str:
+    """"compiled" unless CEDLM_DECODE_STEP names another mode, or the reference kernels are forced
+    (CEDLM_REFERENCE_KERNELS=1 turns every fast path off: "eager")."""
+    from cedlm.kernels import reference_kernels
+    if reference_kernels():
+        return "eager"
+    v = os.environ.get(ENV_VAR, "").strip().lower() or "compiled"
+    if v not in MODES:
+        raise ValueError(f"{ENV_VAR}: {v!r} is not one of {MODES}")
+    return v
+
+
+def stack_experts(model) -> None:
+    """Give every MoE stacked expert weights ([E, out, in] per projection) whose slices ARE the
+    experts' parameters (same storage: nothing is copied twice, a later load writes both)."""
+    for layer in model.layers:
+        moe = layer.ffn
+        if getattr(moe, "stacked", None) is not None:
+            continue
+        stacks = []
+        for name in ("w1", "w2", "w3"):
+            w = torch.stack([getattr(e, name).weight.detach() for e in moe.experts])
+            for i, e in enumerate(moe.experts):
+                getattr(e, name).weight.data = w[i]
+            stacks.append(w)
+        moe.stacked = tuple(stacks)
+
+
+class CompiledDecode:
+    """`model.decode` as one compiled call per step (see the module docstring).
+
+    mode: "compiled" (the static step through torch.compile / inductor), "static" (the same
+    static step run eagerly: its logic without the compiler, what most tests exercise), "eager"
+    (`model.decode` itself, the reference). None: `default_mode()`."""
+
+    def __init__(self, model, mode: str | None = None, log=None):
+        self.model = model
+        self.mode = default_mode() if mode is None else mode
+        if self.mode not in MODES:
+            raise ValueError(f"decode_step: {self.mode!r} is not one of {MODES}")
+        self.compile = self.mode == "compiled"
+        self.shapes = step_.StepShapes(model)
+        if self.mode != "eager":
+            stack_experts(model)
+        self.fn = step_.decode_step
+        if self.compile:
+            self.fn = torch.compile(step_.decode_step, fullgraph=True)
+        self.compile_s: dict[int, float] = {}     # batch size -> seconds of its first call
+        self.calls = self.fallbacks = 0
+        self.log = log
+
+    # ---------------------------------------------------------------- eligibility
+    def why_not(self) -> str | None:
+        """Why this model's decode must take the reference path now, or None."""
+        m, cfg = self.model, self.model.cfg
+        if self.mode == "eager":
+            return "decode_step is eager"
+        if m.training:
+            return "training mode"
+        if cfg.index_topk >= cfg.max_position_embeddings:
+            return "dense reference config (index_topk covers every position)"
+        for mod in m.modules():
+            if getattr(mod, "decisions", None) is not None:
+                return "decisions recorded or replayed"
+            if getattr(mod, "host_table", None) is not None:
+                return "Engram table offloaded to host memory"
+        return None
+
+    # ---------------------------------------------------------------- the call
+    @torch.no_grad()
+    def __call__(self, input_ids, states: list[SequenceState]) -> torch.Tensor:
+        if self.why_not() is not None:
+            self.fallbacks += 1
+            return self.model.decode(input_ids, states)
+        ids = torch.as_tensor(input_ids, dtype=torch.int64).view(-1)
+        if ids.shape[0] != len(states):
+            raise ValueError(f"input_ids: {ids.shape[0]} tokens for {len(states)} states")
+        args = self.inputs(ids, states)
+        t0 = time.perf_counter()
+        logits, out = self.fn(self.shapes, *args)
+        B = min(len(states), 2)                   # 1 and >= 2: the graphs torch.compile keeps
+        if self.compile and B not in self.compile_s:
+            self.compile_s[B] = time.perf_counter() - t0
+            if self.log:
+                self.log(f"decode step compiled for batch {'1' if B == 1 else '>= 2'} in "
+                         f"{self.compile_s[B]:.1f} s (inductor; cached on disk for the next start)")
+        self.calls += 1
+        self.write_back(ids, states, out)
+        return logits
+
+    def inputs(self, ids: torch.Tensor, states: list[SequenceState]):
+        """The step's tensors (see `step.decode_step`)."""
+        cfg = self.model.cfg
+        B = len(states)
+        pos = torch.tensor([st.num_tokens for st in states], dtype=torch.int64)
+        h = max(cfg.engram_max_ngram_size - 1, 0) if cfg.engram_layer_ids else 0
+        hist = torch.full((B, h), cfg.engram_pad_token_id, dtype=torch.int64)
+        for b, st in enumerate(states):
+            prev = st.token_ids[max(0, st.num_tokens - h): st.num_tokens] if h else []
+            if prev:
+                hist[b, h - len(prev):] = torch.tensor(prev, dtype=torch.int64)
+        if B == 1:
+            rings, ring_pos = states[0].window_all.unsqueeze(1), states[0].window_pos_all.unsqueeze(1)
+        else:
+            rings = torch.stack([st.window_all for st in states], 1)
+            ring_pos = torch.stack([st.window_pos_all for st in states], 1)
+        pools, table = self._pools(states)
+        counts = {s: torch.tensor([st.kv[s].n for st in states], dtype=torch.int64)
+                  for s in self.shapes.sources}
+        pending = {}
+        for s, r in self.shapes.ratio.items():
+            if r > 1:
+                d = states[0].pending[s][0].shape[1]
+                pk, pg = torch.zeros(B, r - 1, d), torch.zeros(B, r - 1, d)
+                for b, st in enumerate(states):
+                    k, g = st.pending[s]
+                    pk[b, : k.shape[0]], pg[b, : g.shape[0]] = k, g
+                pending[s] = (pk, pg)
+        return ids, pos, hist, rings, ring_pos, pools, table, counts, pending
+
+    def _pools(self, states):
+        """Each row kind's pool and one block table for the batch (spare column at the end):
+        paged rows of one pool as they are; one sequence's contiguous rows as a one-block pool;
+        contiguous rows of several sequences copied into one padded pool."""
+        kinds = [("kv", s) for s in self.shapes.sources] + [("idx", s) for s in sorted(self.shapes.key_sources)]
+
+        def rows(st, k):
+            return (st.kv if k[0] == "kv" else st.index)[k[1]]
+
+        first = {k: rows(states[0], k).blocks()[0] for k in kinds}
+        shared = all(rows(st, k).blocks()[0].data_ptr() == first[k].data_ptr()
+                     for st in states[1:] for k in kinds)
+        if shared:
+            pools = first
+            tables = [rows(st, kinds[0]).blocks()[1] for st in states]
+            pad = [0] * len(states)
+        else:
+            pools = {}
+            for k in kinds:
+                bufs = [rows(st, k).blocks()[0][0] for st in states]
+                pool = torch.zeros(len(bufs), max(b.shape[0] for b in bufs), bufs[0].shape[1],
+                                   dtype=torch.uint8)
+                for b, buf in enumerate(bufs):
+                    pool[b, : buf.shape[0]] = buf
+                pools[k] = pool
+            tables = [[b] for b in range(len(states))]
+            pad = list(range(len(states)))
+        nb = max(len(t) for t in tables) + 1
+        table = torch.tensor([list(t) + [pad[b]] * (nb - len(t)) for b, t in enumerate(tables)],
+                             dtype=torch.int64)
+        if self.compile:                     # one graph for every context length
+            torch._dynamo.mark_dynamic(table, 1)
+            for p in pools.values():
+                torch._dynamo.mark_dynamic(p, 0)
+                torch._dynamo.mark_dynamic(p, 1)
+        return pools, table
+
+    def write_back(self, ids: torch.Tensor, states: list[SequenceState], out: dict) -> None:
+        win = out["window"]                                           # [L, B, wb]
+        S = states[0].window_all.shape[1]
+        for b, st in enumerate(states):
+            p = st.num_tokens
+            st.window_all[:, p % S] = win[:, b]
+            st.window_pos_all[:, p % S] = p
+            for s, (main, idx, _) in out["entries"].items():
+                r = self.shapes.ratio[s]
+                if (p + 1) % r == 0:                                  # this token completed a group
+                    st.kv[s].append(main[b: b + 1])
+                    if idx is not None:
+                        st.index[s].append(idx[b: b + 1])
+            for s, (pk, pg) in out["pending"].items():
+                n = (p + 1) % self.shapes.ratio[s]
+                st.pending[s] = (pk[b, :n].clone(), pg[b, :n].clone())
+            st.token_ids.append(int(ids[b]))
+            st.num_tokens = p + 1

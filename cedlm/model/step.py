@@ -1,0 +1,264 @@
+"""The decode step with static shapes: one new token for each of B sequences, as one function of
+tensors that torch.compile captures whole (`compiled_step.py` compiles it and feeds it).
+
+`CEDModel.decode` (the eager path, the oracle) walks Python objects: per-sequence window rings,
+growing byte rows, pending compressor rows, data-dependent entry counts. This function computes
+the same token's logits from tensors whose shapes do not depend on the data:
+
+- window: every layer's ring bytes [B, S, wb] and positions [B, S] as they were before the step;
+  the new row replaces slot pos % S (a ring slot is overwritten only by a position S later, which
+  the window mask excludes anyway), and a mask (kp >= 0, kp <= pos, kp > pos - sliding_window)
+  says which slots count. The keys are attended in slot order, not position order: same set,
+  another summation order.
+- compressed entries: each row kind is a pool of blocks [nblocks, per_block, width] read through
+  the batch's block table [B, nb]; the table always has a spare column (block 0 where nothing is
+  allocated), so entry n (the one this token may complete) has a place. A completed entry is
+  spliced in at index n with a mask; entries j < n + emit are visible.
+- compressor: the pending rows of an incomplete group arrive padded [B, r-1, hd]; the group is
+  pooled when this token completes it (pos % r == r-1), else the token joins the pending rows.
+- indexer: scores over every slot of the padded pool (-inf where invisible), a fixed top-k with a
+  validity mask; the candidate pool and Reindex restriction as in `indexer.py`.
+- MoE: the router's top-k experts gathered from stacked weights ([E, ...] per projection).
+
+Nothing here synchronises with the host (no .item(), .tolist() or branch on a value). The host
+writes back what the step returns: the new window rows, the completed entries' bytes, the new
+pending rows. The step also returns its discrete decisions (top-k entries, experts) so a test can
+replay them on the eager path and compare the continuous math (`decisions.py`).
+
+Kernels kept opaque (torch.ops.cedlm: codecs, index scores, top-k, attention) are custom ops
+(`cedlm/kernels/ops.py`); everything else is the modules' own torch code, traced.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cedlm.kernels import ops as _ops  # noqa: F401  (registers torch.ops.cedlm.*)
+from cedlm.model.indexer import NEG, candidate_pool
+from cedlm.model.mhc import collapse, expand, first_pre
+from cedlm.model.norm import rms
+
+cedlm_ops = torch.ops.cedlm
+
+
+def _round(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
+    """The stored value of x in `fmt` (quantise-dequantise), float32."""
+    if fmt is None or fmt == "none":
+        return x.float()
+    return cedlm_ops.quant_dequant(x.float().contiguous(), fmt)
+
+
+def _encode(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    return cedlm_ops.encode(x.float().contiguous(), fmt)
+
+
+def _gather_rows(pool: torch.Tensor, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows at entry indices idx [B, ...] of a block pool [nblocks, per_block, width] through the
+    block table [B, nb] -> [B, ..., width] (idx past the table is clamped; callers mask it)."""
+    per = pool.shape[1]
+    col = (idx // per).clamp(max=table.shape[1] - 1)
+    blocks = torch.gather(table, 1, col.flatten(1)).view(col.shape)
+    return pool[blocks, idx % per]
+
+
+def _all_rows(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Every slot the table covers: [B, nb * per_block, width]."""
+    B, nb = table.shape
+    return pool[table].reshape(B, nb * pool.shape[1], pool.shape[2])
+
+
+def _splice(rows: torch.Tensor, n: torch.Tensor, new: torch.Tensor, emit: torch.Tensor) -> torch.Tensor:
+    """rows [B, N, w] with row n[b] replaced by new [B, w] where emit[b]."""
+    at = (torch.arange(rows.shape[1]) == n.unsqueeze(1)) & emit.unsqueeze(1)
+    return torch.where(at.unsqueeze(-1), new.unsqueeze(1), rows)
+
+
+class StepShapes:
+    """What the step's shapes depend on, per model: roles, sources, formats (read once)."""
+
+    def __init__(self, model):
+        cfg = model.cfg
+        self.cfg, self.model = cfg, model
+        lay = model.kv_layout
+        self.window_fmt, self.window_dim = lay.window_fmt, lay.window_dim
+        self.sources = list(cfg.kv_source_layer_ids)
+        self.key_sources = set(cfg.index_key_layer_ids)
+        self.kv_fmt = {s: lay.row("kv", s).fmt for s in self.sources}
+        self.idx_fmt = {s: lay.row("idx", s).fmt for s in self.key_sources}
+        self.ratio = {s: cfg.compress_ratios[s] for s in self.sources}
+
+
+def decode_step(shapes: StepShapes, ids, pos, hist, rings, ring_pos, pools, table, counts, pending):
+    """One token per sequence.
+
+    ids, pos [B] int64; hist [B, h] the h previous token ids (Engram; pad id before position 0);
+    rings [L, B, S, wb] uint8 and ring_pos [L, B, S] int64 (the windows before this step);
+    pools: {("kv"|"idx", src): [nblocks, per_block, width] uint8}; table [B, nb] int64 block ids
+    (a spare column at the end); counts {src: [B] int64 entries stored}; pending {src: (kv, gate)
+    [B, r-1, hd] fp32, rows < pos % r valid}.
+    Returns (logits [B, vocab] fp32, out) with out = {"window": [L, B, wb] new ring rows,
+    "entries": {src: (kv bytes [B, w], idx bytes [B, w'] or None, emit [B] bool)},
+    "pending": {src: (kv, gate)}, "topk": {layer: (idx, valid)}, "experts": {layer: ids}}.
+    """
+    model, cfg = shapes.model, shapes.cfg
+    B = ids.shape[0]
+    p1 = pos.view(B, 1)
+    out = {"window": [], "entries": {}, "pending": {}, "topk": {}, "experts": {}}
+    image = None if model.image_token_id is None else (ids == model.image_token_id).view(B, 1)
+    comp: dict[int, tuple] = {}          # src -> (n visible [B], kv rows [B, N, w], new kv bytes, emit)
+    pool_sel = None
+
+    x = model.embed(ids).view(B, 1, 1, -1).expand(-1, -1, cfg.hc_mult, -1)
+    pre = first_pre(x)
+    engram = _engram_rows(model, ids, hist) if cfg.engram_layer_ids else {}
+    for l, layer in enumerate(model.layers):
+        if hasattr(layer, "engram"):
+            x = layer.engram(x, engram[l], None if image is None else image)
+        pre_a, post, comb = layer.mixes(x, "attn")
+        h = layer.attn_norm(collapse(x, pre))                                   # [B, 1, D]
+        a, pool_sel = _attention(shapes, layer.attn, h, p1, rings[l], ring_pos[l], pools, table,
+                                 counts, pending, comp, pool_sel, out)
+        x = expand(x, a, post, comb)
+        pre_f, post, comb = layer.mixes(x, "ffn")
+        f = _moe(layer.ffn, layer.ffn_norm(collapse(x, pre_a)), image, out, l)
+        x = expand(x, f, post, comb)
+        pre = pre_f
+    logits = model.head(model.norm(collapse(x, pre))).float()[:, 0]
+    out["window"] = torch.stack(out["window"])
+    return logits, out
+
+
+def _engram_rows(model, ids, hist):
+    cfg = model.cfg
+    h = hist.shape[1]
+    full = torch.cat((hist, ids.view(-1, 1)), 1)
+    cids = model.engram_token_map[full]
+    dead = model.image_mask(full)
+    pad = model.engram_token_map[cfg.engram_pad_token_id]
+    rows = {}
+    for l in cfg.engram_layer_ids:
+        eng = model.layers[l].engram
+        r = eng.hasher.rows(cids, h) if dead is None else eng.hasher.rows(cids, h, dead, pad)
+        rows[l] = eng.lookup(r)
+    return rows
+
+
+def _attention(shapes, attn, x, p1, ring, ring_pos, pools, table, counts, pending, comp, pool_sel, out):
+    """One layer's attention for the step (see `Attention.forward`); returns ([B, 1, D], pool)."""
+    cfg = shapes.cfg
+    B = x.shape[0]
+    qr = attn.q_norm(attn.wq_a(x))
+    q = attn.wq_b(qr).unflatten(-1, (attn.H, attn.hd))                           # [B, 1, H, hd]
+    if cfg.q_head_norm:
+        q = rms(q, cfg.rms_norm_eps)
+    q = attn.rope.apply(q, p1.unsqueeze(-1))
+    # window: this token's row into the ring (slot order), the mask from positions
+    row = _encode(attn.rope.apply(attn.kv_norm(attn.wkv(x)), p1)[:, 0], shapes.window_fmt)   # [B, wb]
+    out["window"].append(row)
+    S = ring.shape[1]
+    at = (torch.arange(S) == (p1 % S))                                           # [B, S]
+    ring = torch.where(at.unsqueeze(-1), row.unsqueeze(1), ring)      # decode(encode(x)) = stored x
+    win_k = cedlm_ops.decode(ring, shapes.window_fmt, shapes.window_dim)
+    kp = torch.where(at, p1, ring_pos)
+    win_valid = ((kp >= 0) & (kp <= p1) & (kp > p1 - cfg.sliding_window)).unsqueeze(1)   # [B, 1, S]
+    if attn.role == "full":
+        comp[attn.layer_id] = _compress(shapes, attn, x, p1, pools, table, counts, pending, out)
+    comp_k = x.new_zeros(B, 1, 0, attn.hd, dtype=torch.float32)
+    comp_valid = torch.zeros(B, 1, 0, dtype=torch.bool)
+    if attn.ratio > 0:
+        n_vis, kv_rows, _, _ = comp[attn.src]
+        N = kv_rows.shape[1]
+        if attn.sparse:
+            if attn.role in ("full", "reindex"):
+                pool_sel = _select(shapes, attn.indexer, qr, x, p1, pools, table, comp, pool_sel, out)
+            idx, valid = out["topk"][attn.isrc]
+        else:                                                   # every visible entry
+            idx = torch.arange(N).expand(B, 1, N)
+            valid = idx < n_vis.view(B, 1, 1)
+        rows = torch.gather(kv_rows, 1, idx.view(B, -1, 1).expand(-1, -1, kv_rows.shape[2]))
+        comp_k = cedlm_ops.decode(rows, shapes.kv_fmt[attn.src], attn.hd).view(B, 1, -1, attn.hd)
+        comp_valid = valid
+    o = cedlm_ops.attend(q.float(), win_k.float(), win_valid, comp_k, comp_valid, attn.attn_sink.float(),
+                         attn.hd ** -0.5)
+    o = attn.rope.apply(o, p1.unsqueeze(-1), inverse=True).to(x.dtype)
+    o = o.reshape(B, 1, attn.G, attn.H // attn.G * attn.hd)
+    wa = attn.wo_a.weight.view(attn.G, -1, o.shape[-1])
+    o = torch.einsum("btgi,gri->btgr", o, wa).flatten(2)
+    return attn.wo_b(o), pool_sel
+
+
+def _compress(shapes, attn, x, p1, pools, table, counts, pending, out):
+    """The source's entry completed by this token (if any), spliced in at index n; returns
+    (n visible [B], main-KV rows [B, N, w] with the new one, its bytes, emit [B])."""
+    src, comp, r = attn.layer_id, attn.compressor, shapes.ratio[attn.layer_id]
+    B = x.shape[0]
+    pos = p1[:, 0]
+    kv, gate = comp.project(x[:, 0])                                             # [B, hd] fp32
+    if r == 1:
+        lat, emit, start = comp.norm(kv), torch.ones(B, dtype=torch.bool), pos
+    else:
+        pk, pg = pending[src]                                                    # [B, r-1, hd]
+        phase = pos % r
+        emit = phase == r - 1
+        start = pos - (r - 1)
+        kvs, gates = torch.cat((pk, kv.unsqueeze(1)), 1), torch.cat((pg, gate.unsqueeze(1)), 1)
+        lat = comp.pool(kvs, gates)[:, 0]                                        # one group
+        slot = (torch.arange(r - 1) == phase.unsqueeze(1)).unsqueeze(-1)         # where it waits
+        out["pending"][src] = (torch.where(slot, kv.unsqueeze(1), pk), torch.where(slot, gate.unsqueeze(1), pg))
+    main = _encode(comp.rope.apply(lat, start), shapes.kv_fmt[src])
+    idx_bytes = None
+    n = counts[src]
+    if src in shapes.key_sources:
+        ix = attn.indexer
+        key = _round(ix.rope.apply(ix.keys(lat), start), shapes.idx_fmt[src])
+        idx_bytes = _encode(key, shapes.idx_fmt[src])
+        raw = _splice(_all_rows(pools[("idx", src)], table), n, idx_bytes, emit)
+        out.setdefault("idx_rows", {})[src] = raw
+    out["entries"][src] = (main, idx_bytes, emit)
+    kv_rows = _splice(_all_rows(pools[("kv", src)], table), n, main, emit)
+    return n + emit.long(), kv_rows, main, emit
+
+
+def _select(shapes, ix, qr, x, p1, pools, table, comp, pool_sel, out):
+    """`Indexer.select` for one query row per sequence, over the padded entries."""
+    cfg = shapes.cfg
+    src = ix.keys_src
+    n_vis = comp[src][0]
+    raw = out["idx_rows"][src]
+    N = raw.shape[1]
+    visible = (torch.arange(N).view(1, 1, N) < n_vis.view(-1, 1, 1))             # [B, 1, N]
+    q, w = ix.queries(qr, x)
+    q = _round(ix.rope.apply(q, p1.unsqueeze(-1)), shapes.idx_fmt[src]).contiguous()
+    score = cedlm_ops.index_score(q, w.float().contiguous(), raw, visible, shapes.idx_fmt[src])
+    cand = cfg.candidate_source_layer_id
+    if ix.layer_id == cand:
+        pool_sel = candidate_pool(score, visible.sum(-1), cfg.candidate_block_size, cfg.candidate_topk_blocks)
+    elif pool_sel is not None and cand is not None and cfg.kv_source_of(cand) == src:
+        score = score.masked_fill(~pool_sel, NEG)
+    k = min(cfg.index_topk, N)
+    idx, vals = cedlm_ops.stable_topk(score.contiguous(), k)
+    out["topk"][ix.layer_id] = (idx, vals > NEG)
+    return pool_sel
+
+
+def _moe(moe, x, image, out, l):
+    """Routed experts from stacked weights + the shared expert; x [B, 1, D] -> [B, 1, D]."""
+    B = x.shape[0]
+    xf = x.reshape(B, -1)
+    w, ids = moe.gate(xf, None if image is None else image.reshape(-1))
+    out["experts"][l] = ids
+    ids, order = ids.sort(-1)                         # ascending expert id, as the eager loop adds
+    w = torch.gather(w, 1, order)
+    W1, W2, W3 = moe.stacked
+    lim = moe.experts[0].limit
+    g = torch.einsum("bd,bkid->bki", xf, W1[ids])
+    u = torch.einsum("bd,bkid->bki", xf, W3[ids])
+    if lim:
+        g, u = g.clamp(max=lim), u.clamp(-lim, lim)
+    y = torch.einsum("bki,bkdi->bkd", F.silu(g) * u, W2[ids]).float() * w.unsqueeze(-1)
+    o = y[:, 0]
+    for j in range(1, y.shape[1]):
+        o = o + y[:, j]
+    if moe.shared_experts is not None:
+        o = o + moe.shared_experts(xf).float()
+    return o.to(x.dtype).view(B, 1, -1)
