@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,6 +30,9 @@ from cedlm.model import step as step_
 from cedlm.model.state import SequenceState
 
 ENV_VAR = "CEDLM_DECODE_STEP"
+# inductor's artefacts (FX graphs, generated C++) in the user's cache, not /tmp: a second start
+# of the same model finds them (TORCHINDUCTOR_CACHE_DIR set by the user wins)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "cedlm" / "inductor"))
 MODES = ("compiled", "static", "eager")
 
 
@@ -122,6 +126,23 @@ class CompiledDecode:
         self.write_back(ids, states, out)
         return logits
 
+    @torch.no_grad()
+    def warm_up(self) -> dict[int, float]:
+        """Compile both graphs (batch 1 and batch >= 2) on scratch states before the first
+        request, so that no request waits for the compiler; returns {1: s, 2: s} (nothing when
+        not compiling). The scratch states are the model's own contiguous rows; the engine's
+        paged rows run the same graphs (their pool and table sizes are dynamic dimensions)."""
+        if not self.compile or self.why_not() is not None:
+            return {}
+        for B in (1, 2):
+            if B in self.compile_s:
+                continue
+            states = [self.model.new_state() for _ in range(B)]
+            for st in states:
+                self.model.prefill(torch.arange(3, 7), st)
+            self(list(range(B)), states)
+        return dict(self.compile_s)
+
     def inputs(self, ids: torch.Tensor, states: list[SequenceState]):
         """The step's tensors (see `step.decode_step`)."""
         cfg = self.model.cfg
@@ -150,6 +171,10 @@ class CompiledDecode:
                     k, g = st.pending[s]
                     pk[b, : k.shape[0]], pg[b, : g.shape[0]] = k, g
                 pending[s] = (pk, pg)
+        if self.compile and B > 1:           # one graph for every batch size >= 2
+            for t, d in ((ids, 0), (pos, 0), (hist, 0), (rings, 1), (ring_pos, 1), (table, 0),
+                         *((c, 0) for c in counts.values()), *((x, 0) for p in pending.values() for x in p)):
+                torch._dynamo.mark_dynamic(t, d)
         return ids, pos, hist, rings, ring_pos, pools, table, counts, pending
 
     def _pools(self, states):

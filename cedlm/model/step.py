@@ -16,6 +16,8 @@ the same token's logits from tensors whose shapes do not depend on the data:
   spliced in at index n with a mask; entries j < n + emit are visible.
 - compressor: the pending rows of an incomplete group arrive padded [B, r-1, hd]; the group is
   pooled when this token completes it (pos % r == r-1), else the token joins the pending rows.
+- attention: one kernel over the packed bytes (`attend_packed`): the window ring rows (FP8) and
+  the selected entries (FP4, gathered: k rows) are decoded inside its loop.
 - indexer: scores over every slot of the padded pool (-inf where invisible), a fixed top-k with a
   validity mask; the candidate pool and Reindex restriction as in `indexer.py`.
 - MoE: the router's top-k experts gathered from stacked weights ([E, ...] per projection).
@@ -86,6 +88,7 @@ class StepShapes:
         self.kv_fmt = {s: lay.row("kv", s).fmt for s in self.sources}
         self.idx_fmt = {s: lay.row("idx", s).fmt for s in self.key_sources}
         self.ratio = {s: cfg.compress_ratios[s] for s in self.sources}
+        self.row_width = {s: lay.row("kv", s).width for s in self.sources}
 
 
 def decode_step(shapes: StepShapes, ids, pos, hist, rings, ring_pos, pools, table, counts, pending):
@@ -105,7 +108,7 @@ def decode_step(shapes: StepShapes, ids, pos, hist, rings, ring_pos, pools, tabl
     p1 = pos.view(B, 1)
     out = {"window": [], "entries": {}, "pending": {}, "topk": {}, "experts": {}}
     image = None if model.image_token_id is None else (ids == model.image_token_id).view(B, 1)
-    comp: dict[int, tuple] = {}          # src -> (n visible [B], kv rows [B, N, w], new kv bytes, emit)
+    comp: dict[int, tuple] = {}          # src -> (n visible [B], n stored [B], new kv bytes, emit)
     pool_sel = None
 
     x = model.embed(ids).view(B, 1, 1, -1).expand(-1, -1, cfg.hc_mult, -1)
@@ -158,28 +161,35 @@ def _attention(shapes, attn, x, p1, ring, ring_pos, pools, table, counts, pendin
     S = ring.shape[1]
     at = (torch.arange(S) == (p1 % S))                                           # [B, S]
     ring = torch.where(at.unsqueeze(-1), row.unsqueeze(1), ring)      # decode(encode(x)) = stored x
-    win_k = cedlm_ops.decode(ring, shapes.window_fmt, shapes.window_dim)
+    win_idx = torch.arange(B * S).view(B, S)                  # rows of ring.view(B * S, wb)
     kp = torch.where(at, p1, ring_pos)
     win_valid = ((kp >= 0) & (kp <= p1) & (kp > p1 - cfg.sliding_window)).unsqueeze(1)   # [B, 1, S]
     if attn.role == "full":
         comp[attn.layer_id] = _compress(shapes, attn, x, p1, pools, table, counts, pending, out)
-    comp_k = x.new_zeros(B, 1, 0, attn.hd, dtype=torch.float32)
+    kv_fmt = shapes.kv_fmt.get(attn.src, shapes.window_fmt)
+    comp_rows = ring.new_zeros(1, shapes.row_width.get(attn.src, ring.shape[-1]))
+    comp_idx = torch.zeros(B, 1, 0, dtype=torch.int64)
     comp_valid = torch.zeros(B, 1, 0, dtype=torch.bool)
     if attn.ratio > 0:
-        n_vis, kv_rows, _, _ = comp[attn.src]
-        N = kv_rows.shape[1]
+        n_vis, n, main, emit = comp[attn.src]
+        kv_pool = pools[("kv", attn.src)]
         if attn.sparse:
             if attn.role in ("full", "reindex"):
                 pool_sel = _select(shapes, attn.indexer, qr, x, p1, pools, table, comp, pool_sel, out)
             idx, valid = out["topk"][attn.isrc]
         else:                                                   # every visible entry
+            N = table.shape[1] * kv_pool.shape[1]
             idx = torch.arange(N).expand(B, 1, N)
             valid = idx < n_vis.view(B, 1, 1)
-        rows = torch.gather(kv_rows, 1, idx.view(B, -1, 1).expand(-1, -1, kv_rows.shape[2]))
-        comp_k = cedlm_ops.decode(rows, shapes.kv_fmt[attn.src], attn.hd).view(B, 1, -1, attn.hd)
-        comp_valid = valid
-    o = cedlm_ops.attend(q.float(), win_k.float(), win_valid, comp_k, comp_valid, attn.attn_sink.float(),
-                         attn.hd ** -0.5)
+        rows = _gather_rows(kv_pool, table, idx.view(B, -1))                     # [B, k, w]
+        new = (idx.view(B, -1) == n.view(B, 1)) & emit.view(B, 1)               # the entry just made
+        rows = torch.where(new.unsqueeze(-1), main.unsqueeze(1), rows)
+        k = rows.shape[1]
+        comp_rows, comp_idx, comp_valid = rows.reshape(B * k, -1), torch.arange(B * k).view(B, 1, k), valid
+    # one kernel: the FP8 window rows and the selected FP4 entries decoded inside its loop
+    o = cedlm_ops.attend_packed(q.float(), ring.reshape(B * S, -1), win_idx, win_valid, shapes.window_fmt,
+                                comp_rows, comp_idx, comp_valid, kv_fmt, attn.attn_sink.float(),
+                                attn.hd ** -0.5)
     o = attn.rope.apply(o, p1.unsqueeze(-1), inverse=True).to(x.dtype)
     o = o.reshape(B, 1, attn.G, attn.H // attn.G * attn.hd)
     wa = attn.wo_a.weight.view(attn.G, -1, o.shape[-1])
@@ -188,8 +198,9 @@ def _attention(shapes, attn, x, p1, ring, ring_pos, pools, table, counts, pendin
 
 
 def _compress(shapes, attn, x, p1, pools, table, counts, pending, out):
-    """The source's entry completed by this token (if any), spliced in at index n; returns
-    (n visible [B], main-KV rows [B, N, w] with the new one, its bytes, emit [B])."""
+    """The source's entry completed by this token (if any); returns (n visible [B], n stored
+    [B], the new entry's main-KV bytes [B, w], emit [B]). Its index key is spliced into the
+    source's index rows at n (out["idx_rows"], what the indexers score)."""
     src, comp, r = attn.layer_id, attn.compressor, shapes.ratio[attn.layer_id]
     B = x.shape[0]
     pos = p1[:, 0]
@@ -215,8 +226,7 @@ def _compress(shapes, attn, x, p1, pools, table, counts, pending, out):
         raw = _splice(_all_rows(pools[("idx", src)], table), n, idx_bytes, emit)
         out.setdefault("idx_rows", {})[src] = raw
     out["entries"][src] = (main, idx_bytes, emit)
-    kv_rows = _splice(_all_rows(pools[("kv", src)], table), n, main, emit)
-    return n + emit.long(), kv_rows, main, emit
+    return n + emit.long(), n, main, emit
 
 
 def _select(shapes, ix, qr, x, p1, pools, table, comp, pool_sel, out):
@@ -251,11 +261,16 @@ def _moe(moe, x, image, out, l):
     w = torch.gather(w, 1, order)
     W1, W2, W3 = moe.stacked
     lim = moe.experts[0].limit
-    g = torch.einsum("bd,bkid->bki", xf, W1[ids])
-    u = torch.einsum("bd,bkid->bki", xf, W3[ids])
+    # Each matrix-vector product written as multiply-and-sum over the gathered expert rows:
+    # inductor fuses the gather into the reduction and reads each selected expert's weights once
+    # (a bmm over W[ids] would first copy them).
+    xe = xf.view(B, 1, 1, -1)
+    g = (xe * W1[ids]).sum(-1)                                                   # [B, k, I]
+    u = (xe * W3[ids]).sum(-1)
     if lim:
         g, u = g.clamp(max=lim), u.clamp(-lim, lim)
-    y = torch.einsum("bki,bkdi->bkd", F.silu(g) * u, W2[ids]).float() * w.unsqueeze(-1)
+    h = (F.silu(g) * u).unsqueeze(-2)                                            # [B, k, 1, I]
+    y = (h * W2[ids]).sum(-1).float() * w.unsqueeze(-1)                          # [B, k, D]
     o = y[:, 0]
     for j in range(1, y.shape[1]):
         o = o + y[:, j]
