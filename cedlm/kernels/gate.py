@@ -131,7 +131,10 @@ def active_backend() -> str:
 
 def codec_module():
     """The compiled module for a codec call on the CPU (the reference switch already checked by
-    the caller), or None for the vectorised torch codecs."""
+    the caller), or None for the vectorised torch codecs (also while torch.compile traces: the
+    bit-identical torch codecs are what inductor fuses, as for ``inference_op``)."""
+    if torch.compiler.is_compiling():
+        return None
     return None if _backend == "torch" else compiled()
 
 

@@ -36,6 +36,7 @@ class ForwardBatch:
     selection: Selection = field(default_factory=Selection)
     probe: IndexerProbe | None = None     # indexer distillation (training): see probe.py
     image_mask: torch.Tensor | None = None   # [B, T] image-span rows (vision models; else None)
+    first: tuple[int, ...] | None = None  # positions[:, 0] when the caller knows them (training: 0s)
 
     def __post_init__(self):
         if self.positions.dim() != 2:
@@ -52,4 +53,6 @@ class ForwardBatch:
         return self.positions.shape[1]
 
     def first_positions(self) -> list[int]:
-        return self.positions[:, 0].tolist()
+        """Each row's first position: `first` when given (no tensor read: torch.compile traces
+        the training forward without a graph break here), else read from `positions`."""
+        return list(self.first) if self.first is not None else self.positions[:, 0].tolist()

@@ -92,6 +92,13 @@ class TrainingKVCache(_Stash):
 
     window_keys = window
 
+    def push_stash(self, layer, kv, pos):
+        """Every row is kept: a training call starts at position 0 (keep_from 0), so the stash
+        needs no selection by position (no data-dependent shape for torch.compile)."""
+        if self.stash is not None:
+            kv, pos = torch.cat((self.stash[0], kv), 1), torch.cat((self.stash[1], pos), 1)
+        self.stash = (kv, pos)
+
     def global_window(self, layer):
         return self.stash
 

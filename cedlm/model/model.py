@@ -117,21 +117,24 @@ class CEDModel(nn.Module):
                 nn.init.normal_(p, std=std)
 
     # ---------------------------------------------------------------- passes
-    def _engram_rows(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> dict:
-        """Rows of every Engram layer, from token ids alone, before any layer runs."""
+    def _engram_rows(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache,
+                     first: tuple[int, ...] | None = None) -> dict:
+        """Rows of every Engram layer, from token ids alone, before any layer runs (first: the
+        rows' first positions when the caller knows them, else read from `pos`)."""
         cfg = self.cfg
         if not cfg.engram_layer_ids:
             return {}
         h = max(cfg.engram_max_ngram_size - 1, 0)
         history = torch.full((ids.shape[0], h), cfg.engram_pad_token_id, dtype=torch.int64)
         if h:
-            for b, prev in enumerate(cache.history(pos[:, 0].tolist(), h)):
+            starts = list(first) if first is not None else pos[:, 0].tolist()
+            for b, prev in enumerate(cache.history(starts, h)):
                 if prev:
                     history[b, h - len(prev):] = torch.tensor(prev)
         full = torch.cat((history, ids), 1)
         cids = self.engram_token_map[full]
         dead = self.image_mask(full)
-        pad = int(self.engram_token_map[cfg.engram_pad_token_id])
+        pad = self.engram_token_map[cfg.engram_pad_token_id]      # a 0-d tensor: no .item()
         out = {}
         for l in cfg.engram_layer_ids:
             eng = self.layers[l].engram
@@ -140,12 +143,13 @@ class CEDModel(nn.Module):
         return out
 
     def encoder_pass(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, replay: bool = False,
-                     images=None, probe=None):
+                     images=None, probe=None, first: tuple[int, ...] | None = None):
         """Every new token through layers < decoder_start, then the global-KV projection.
         images: per batch row a list of (start position, span embeddings [L, D]) (vision).
-        probe: an `IndexerProbe` to record into (indexer distillation), else None."""
-        batch = ForwardBatch(pos, self._engram_rows(ids, pos, cache), replay,
-                             image_mask=self.image_mask(ids), probe=probe)
+        probe: an `IndexerProbe` to record into (indexer distillation), else None.
+        first: pos[:, 0] as ints when the caller knows them (`ForwardBatch.first`)."""
+        batch = ForwardBatch(pos, self._engram_rows(ids, pos, cache, first), replay,
+                             image_mask=self.image_mask(ids), probe=probe, first=first)
         e = self.embed(ids)
         if images is not None and self.image_token_id is not None:
             e = splice(e, pos, images)
@@ -175,7 +179,7 @@ class CEDModel(nn.Module):
         B, S = input_ids.shape
         pos = torch.arange(S).expand(B, S)
         cache = TrainingKVCache(self.kv_layout, B)
-        x, pre = self.encoder_pass(input_ids, pos, cache, images=images, probe=probe)
+        x, pre = self.encoder_pass(input_ids, pos, cache, images=images, probe=probe, first=(0,) * B)
         return self.decoder_pass(x, pre, pos, cache, ids=input_ids, probe=probe)
 
     # ---------------------------------------------------------------- inference

@@ -85,6 +85,16 @@ class MoE(nn.Module):
         w, ids = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
         if x.shape[0] == 1 and not self.training and not reference_kernels():
             return self._one_token(x, w, ids).to(x.dtype).reshape(shape)
+        out = self._routed(x, w, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x).float()
+        return out.to(x.dtype).reshape(shape)
+
+    @torch.compiler.disable
+    def _routed(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum [N, D] fp32, grouped by expert: each expert runs once on the
+        tokens that chose it. Its shapes depend on the routing, so torch.compile leaves it
+        eager (one graph break per layer; the rest of the layer is compiled around it)."""
         out = torch.zeros_like(x, dtype=torch.float32)
         counts = torch.bincount(ids.flatten(), minlength=len(self.experts))
         if self.training:
@@ -93,9 +103,7 @@ class MoE(nn.Module):
             tok, slot = torch.where(ids == e)
             y = self.experts[e](x[tok])
             out.index_add_(0, tok, y.float() * w[tok, slot, None])
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x).float()
-        return out.to(x.dtype).reshape(shape)
+        return out
 
     def _one_token(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed loop above for a single token (batch-1 decode), without the grouping ops
