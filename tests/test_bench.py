@@ -143,9 +143,12 @@ def test_synthetic_state_matches_prefilled_shapes():
 
 
 def test_quick_smoke(tmp_path, capsys):
-    """`cedlm bench --quick` end to end (about half a minute on one core)."""
+    """`cedlm bench --quick` end to end, the decode step compiled (a few minutes on one core the
+    first time: torch.compile of the batch-1 and batch >= 2 graphs; cached on disk after)."""
     out = tmp_path / "quick"
-    rc = cli.main(["--quick", "--out", str(out), "--no-install", "--threads", "1"])
+    # through the compiled decode step (the engine default; the suite otherwise runs it uncompiled)
+    rc = cli.main(["--quick", "--out", str(out), "--no-install", "--threads", "1",
+                   "--decode-step", "compiled"])
     assert rc == 0
     for name in FIGURES:
         res = check_json(out, name)

@@ -131,11 +131,18 @@ class Ctx:
         return self._models[key]
 
 
-def ced_decode_fn(model):
-    """The one CED decode step the peer figure times: a callable `(ids, states) -> logits`
-    (ids: one token per state, logits: [len(states), vocab]). Today `model.decode`, the eager
-    step; the place to switch the figure to a compiled step."""
-    return model.decode
+def ced_decode_fn(model, mode: str | None = None):
+    """The CED decode step the figures time, as the engine runs it: a callable `(ids, states) ->
+    logits` (ids: one token per state, logits: [len(states), vocab]). `mode` is the engine's
+    `decode_step` ("compiled", "static", "eager"; None: the engine's default, compiled unless
+    CEDLM_DECODE_STEP or CEDLM_REFERENCE_KERNELS say otherwise). One step object per model and
+    mode, so its compiled graphs are made once per run (`.compile_s` says how long that took)."""
+    from cedlm.model.compiled_step import CompiledDecode, default_mode
+    mode = mode or default_mode()
+    cache = model.__dict__.setdefault("_bench_decode_steps", {})
+    if mode not in cache:
+        cache[mode] = CompiledDecode(model, mode)
+    return cache[mode]
 
 
 def _build_ced(cfg: ModelConfig, seed: int):

@@ -15,17 +15,17 @@ import functools
 
 import torch
 
-from cedlm.bench.common import (Ctx, md_table, measure, measure_interleaved, plt, save_plot,
-                               stats, synth_ced_state, synth_decoder_only_state, target)
+from cedlm.bench.common import (Ctx, ced_decode_fn, md_table, measure, measure_interleaved, plt,
+                               save_plot, stats, synth_ced_state, synth_decoder_only_state, target)
 from cedlm.bench.profiling import profile_call
 
 NAME = "decode"
 TITLE = "Decode step time vs context"
 
 
-def _steps(model, st, steps: int, warmup: int) -> dict:
+def _steps(step, st, steps: int, warmup: int) -> dict:
     tok = [7]
-    return stats(measure(lambda: model.decode(tok, [st]), steps, warmup))
+    return stats(measure(lambda: step(tok, [st]), steps, warmup))
 
 
 def run(ctx: Ctx) -> dict:
@@ -37,8 +37,10 @@ def run(ctx: Ctx) -> dict:
               for C in contexts
               for name, model, synth in (("ced", ced, synth_ced_state),
                                          ("decoder_only", decoder_only, synth_decoder_only_state))}
-    models = {"ced": ced, "decoder_only": decoder_only}
-    fns = {key: functools.partial(models[key[0]].decode, [7], [st]) for key, st in states.items()}
+    # CED decodes through the engine's decode step (compiled by default; --decode-step says)
+    ced_step = ced_decode_fn(ced, ctx.engine_options.get("decode_step"))
+    steps_of = {"ced": ced_step, "decoder_only": decoder_only.decode}
+    fns = {key: functools.partial(steps_of[key[0]], [7], [st]) for key, st in states.items()}
     times = measure_interleaved(fns, steps, warm)
     del states, fns
     rows = []
@@ -61,12 +63,12 @@ def run(ctx: Ctx) -> dict:
     ids = torch.randint(0, ced.cfg.vocab_size, (Cx,), generator=torch.Generator().manual_seed(ctx.seed))
     st = ced.new_state()
     ced.prefill(ids, st, "bounded", chunk_size=512)
-    real_ced = _steps(ced, st, steps, warm)
+    real_ced = _steps(ced_step, st, steps, warm)
     ts = decoder_only.new_state()
     decoder_only.prefill(ids, ts)
-    real_decoder_only = _steps(decoder_only, ts, steps, warm)
-    synth_c = _steps(ced, synth_ced_state(ced, Cx, seed=1), steps, warm)
-    synth_t = _steps(decoder_only, synth_decoder_only_state(decoder_only, Cx, seed=1), steps, warm)
+    real_decoder_only = _steps(decoder_only.decode, ts, steps, warm)
+    synth_c = _steps(ced_step, synth_ced_state(ced, Cx, seed=1), steps, warm)
+    synth_t = _steps(decoder_only.decode, synth_decoder_only_state(decoder_only, Cx, seed=1), steps, warm)
     check = {"context": Cx,
              "ced_real_median_s": real_ced["median_s"], "ced_synth_median_s": synth_c["median_s"],
              "ced_real_over_synth": real_ced["median_s"] / synth_c["median_s"],
@@ -78,6 +80,7 @@ def run(ctx: Ctx) -> dict:
     last = rows[-1]
     out = {
         "config": {"contexts": contexts, "steps": steps, "warmup": warm, "batch": 1,
+                   "ced_decode_step": ced_step.mode,
                    "caches": "built directly (random values, real sizes); see crosscheck",
                    "weights": "random (seeded)"},
         "rows": rows,
@@ -93,9 +96,9 @@ def run(ctx: Ctx) -> dict:
         out["profile"] = {}
         for C in (contexts[0], contexts[-1]):
             st = synth_ced_state(ced, C, seed=2)
-            ced.decode([7], [st])
+            ced_step([7], [st])
             out["profile"][f"ced_{C}"] = profile_call(
-                lambda: [ced.decode([7], [st]) for _ in range(n)])
+                lambda: [ced_step([7], [st]) for _ in range(n)])
             out["profile"][f"ced_{C}"]["steps"] = n
             del st
     return out

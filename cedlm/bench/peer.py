@@ -135,7 +135,7 @@ def _pair(ctx: Ctx, tf, hf, ced, B: int, C: int, new: int, reps: int, lcp, bw: d
         assert cache.get_seq_length() == C
     # ---- CED: B states of C tokens, greedy decode through the one step function
     states = [synth_ced_state(ced, C, seed=ctx.seed + b) for b in range(B)]
-    step = ced_decode_fn(ced)
+    step = ced_decode_fn(ced, ctx.engine_options.get("decode_step"))
 
     def ced_gen(n):
         tok = torch.randint(1, ced.cfg.vocab_size, (B,), generator=g)
@@ -245,7 +245,8 @@ def run(ctx: Ctx) -> dict:
                 "config": {"contexts": contexts, "batches": batches, "new_tokens": new},
                 "rows": [], "target": target("CED tokens/s / HF Llama tokens/s (worst batch)",
                                              ">=", 1.0, None)}
-    hf = llama_for(tf, target_params, ced.cfg, max(contexts) + new + 64)
+    # llama.cpp pads n_ctx to a multiple of 256: room for it within the trained length
+    hf = llama_for(tf, target_params, ced.cfg, max(contexts) + new + 512)
     hf_params = sum(p.numel() for p in hf.parameters())
     lcp, llama_how = peer_llamacpp.setup(ctx, hf)
     ctx.log(f"  {llama_how}")
@@ -275,7 +276,7 @@ def run(ctx: Ctx) -> dict:
         B, C = worst_row["batch"], worst_row["context"]
         g = torch.Generator().manual_seed(ctx.seed)
         states = [synth_ced_state(ced, C, seed=ctx.seed + b) for b in range(B)]
-        step = ced_decode_fn(ced)
+        step = ced_decode_fn(ced, ctx.engine_options.get("decode_step"))
         step(torch.full((B,), 7), states)
         cache = _hf_cache(tf, hf, B, C, ctx.seed)
         ids = torch.randint(1, ced.cfg.vocab_size, (B, C + 1), generator=g)

@@ -60,6 +60,7 @@ Row keys by figure:
 * `capacity`: `model`, `context`, `bytes_per_sequence`, `sequences`, `global_kv_bytes`, `window_bytes`, `compressor_state_bytes`, `allocated_bytes`, `plan_bytes_per_sequence`, `kv_bytes_per_token`; also `ratios` (per context: `vs_v4_style`, `vs_decoder_only`, `bytes_ratio_vs_v4_style`) `ratios_small40` (per context: `vs_v4_flash`, `bytes_ratio_vs_v4_flash`: the `small40` preset, official 40-layer V4.1 schedule, against `small40-v4flash`, V4-Flash's 43-layer schedule, both at small width) and `official_planner`.
 * `prefill`: `model` (`decoder_only`, `ced_bounded`, `ced_exact`), `prompt_tokens`, `median_s`, `min_s`, `max_s`, `n`, `spread`, `tokens_per_s`, `ratio_vs_decoder_only` (rows for each prompt length); also `runs_s` (per length, per mode) and `targets` (per length).
 * `decode`: `context`, `ced_median_s`, `decoder_only_median_s`, `ced_spread`, `decoder_only_spread`, `ced_runs_s`, `decoder_only_runs_s`, `ced_over_decoder_only`, `ced_vs_first`, `decoder_only_vs_first`; also `crosscheck` (really prefilled vs built-directly state at the smallest context).
+* `step_ops`: `path` (`eager`, `compiled`), `top_level_ops_per_token`, `all_ops_per_token`, `top_level_names`, `python_calls_per_token`, `step_median_s`, `step_spread`; also `speedup` (eager / compiled step time), `compile_s`, `targets` (`top_level`, `all_ops`).
 * `resume`: `rows`: `store`, `context`, `bytes`, `bytes_per_token`, `ced_over_this`; `timing`: `method` (`restore_bounded`, `restore_exact`, `store_read`, `reprefill`), `context`, `replayed_tokens`, `median_s`, `min_s`, `max_s`, `n`, `spread`, `speedup_vs_reprefill`; `targets` (`bytes`, `resume`) `ratios_small40` (per context: `vs_v4_flash`, `bytes_ratio_vs_v4_flash`: the `small40` preset, official 40-layer V4.1 schedule, against `small40-v4flash`, V4-Flash's 43-layer schedule, both at small width) and `official_planner`.
 * `formats`: `format`, `dim`, `entries`, `encoded_bytes`, `input_bytes`, `encode_s`, `decode_s`, `memcpy_s`, `memcpy_input_s`, `codec_gbps`, `memcpy_gbps`, `ratio`, `ratio_vs_input_memcpy`, `spread`, `v41`.
 * `peer`: `batch`, `context`, `new_tokens`, `ced_s`, `hf_s`, `ced_tokens_per_s`, `hf_tokens_per_s`, `ratio`, `spread`. Rows per (`context`, `batch`), each with its `target` and `met`; `targets` per context; `ttft` (`prompt_tokens`, `batch`, `ced_s`, `hf_s`, `ced_over_hf`, `spread`, `ced_mode`): first-token latency of one prompt.
@@ -67,7 +68,7 @@ Row keys by figure:
 * `attn_packed`: `batch`, `k`, `window`, `heads`, `head_dim`, `packed_s`, `fp32_s`, `decode_then_attend_s`, `same_kernel_fp32_s`, `ratio` (packed / fp32, the target's metric), `decode_then_attend_over_fp32`, `packed_over_fp32_same_kernel`, `max_rel_diff`, `spread`, `runs_s`.
 """
 
-ORDER = ["kv_bytes", "capacity", "prefill", "decode", "resume", "formats", "attn_packed", "peer",
+ORDER = ["kv_bytes", "capacity", "prefill", "decode", "step_ops", "resume", "formats", "attn_packed", "peer",
          "dspark"]
 
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 
-from cedlm.bench import attention, capacity, decode, dspark, formats, kv_bytes, peer, prefill, resume
+from cedlm.bench import (attention, capacity, decode, dspark, formats, kv_bytes, peer, prefill, resume,
+                         step_ops)
 from cedlm.bench.common import SCHEMA, Ctx, env_block, write_json
 from cedlm.bench.report import update_md
 
-FIGURES = {m.NAME: m for m in (kv_bytes, capacity, prefill, decode, resume, formats, attention, peer,
+FIGURES = {m.NAME: m for m in (kv_bytes, capacity, prefill, decode, step_ops, resume, formats, attention, peer,
                                 dspark)}
 
 
