@@ -39,7 +39,7 @@ import torch
 
 from cedlm.bench import peer_llamacpp
 from cedlm.bench.common import (Ctx, ced_decode_fn, md_table, measure, measure_interleaved, plt,
-                               save_plot, stats, synth_ced_state, target)
+                               save_plot, stats, synth_ced_batch, target)
 from cedlm.bench.weight_reads import GIB, active_parameters, bandwidth_fraction, read_bandwidth
 
 NAME = "peer"
@@ -134,7 +134,7 @@ def _pair(ctx: Ctx, tf, hf, ced, B: int, C: int, new: int, reps: int, lcp, bw: d
             cache.crop(-extra)                   # back to the C prefilled tokens
         assert cache.get_seq_length() == C
     # ---- CED: B states of C tokens, greedy decode through the one step function
-    states = [synth_ced_state(ced, C, seed=ctx.seed + b) for b in range(B)]
+    states = synth_ced_batch(ced, C, B, seed=ctx.seed, new_tokens=new * (reps + 2))
     step = ced_decode_fn(ced, ctx.engine_options.get("decode_step"))
 
     def ced_gen(n):
@@ -275,7 +275,7 @@ def run(ctx: Ctx) -> dict:
         from cedlm.bench.profiling import profile_call
         B, C = worst_row["batch"], worst_row["context"]
         g = torch.Generator().manual_seed(ctx.seed)
-        states = [synth_ced_state(ced, C, seed=ctx.seed + b) for b in range(B)]
+        states = synth_ced_batch(ced, C, B, seed=ctx.seed)
         step = ced_decode_fn(ced, ctx.engine_options.get("decode_step"))
         step(torch.full((B,), 7), states)
         cache = _hf_cache(tf, hf, B, C, ctx.seed)
