@@ -6,6 +6,11 @@ import os
 # 4.4 tok/s, 2 passive threads 4.1 tok/s). libgomp reads this when torch is first imported, so
 # it is set here, before any cedlm module imports torch; a value the user set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch.compile's artefacts of the compiled decode step (FX graphs, generated C++) in the user's
+# cache rather than /tmp, so a later start of the same model loads them instead of compiling
+# (set before torch's inductor reads it; a value the user set is kept).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "cedlm",
+                                                              "inductor"))
 from cedlm.config import ConfigError, ModelConfig
 
 

@@ -237,22 +237,27 @@ def _fill_rows(n: int, dim: int, fmt: str, g: torch.Generator, pool: int = 512) 
     return base.repeat(reps, 1)[:n].contiguous()
 
 
-def synth_ced_state(model, context: int, seed: int = 0, margin: int = 64):
+def synth_ced_state(model, context: int, seed: int = 0, margin: int = 64, pool=None):
     """A SequenceState of `context` tokens built directly (no prefill): random token ids, every
     source's main KV and index-key rows (context // ratio entries, valid encodings of random
     values), pending compressor rows of the incomplete group (random fp32), and every layer's
-    window ring full (the last n_win positions). Same shapes and bytes as after a real prefill."""
+    window ring full (the last n_win positions). Same shapes and bytes as after a real prefill.
+    pool: a `BlockPool` to hold the rows in (paged, as the engine keeps them), else contiguous."""
     from cedlm.model.state import ByteRows
     cfg = model.cfg
     g = torch.Generator().manual_seed(seed)
-    st = model.new_state()
+    if pool is not None:
+        from cedlm.cache.block_pool import BlockTable
+        st = model.new_state(pool.rows(BlockTable(pool)))
+    else:
+        st = model.new_state()
     st.num_tokens = context
     st.token_ids = torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist()
     for kind, store, fmt, dim in (("kv", st.kv, cfg.main_kv_format, cfg.head_dim),
                                   ("idx", st.index, cfg.index_kv_format, cfg.index_head_dim)):
         for s, rows in store.items():
             n = context // cfg.compress_ratios[s]
-            new = ByteRows(rows.width, capacity=n + margin)
+            new = ByteRows(rows.width, capacity=n + margin) if pool is None else rows
             new.append(_fill_rows(n, dim, fmt, g))
             store[s] = new
     for s in st.pending:
@@ -265,6 +270,19 @@ def synth_ced_state(model, context: int, seed: int = 0, margin: int = 64):
         st.window[l][pos % win] = _fill_rows(pos.numel(), cfg.head_dim, cfg.window_kv_format, g)
         st.window_pos[l][pos % win] = pos
     return st
+
+
+def synth_ced_batch(model, context: int, batch: int, seed: int = 0, new_tokens: int = 64) -> list:
+    """`batch` states of `context` tokens (seeds seed, seed+1, ...): one contiguous state for batch
+    1; for more, paged rows in one `BlockPool` sized for context + new_tokens each, as the engine
+    holds a batch (the decode step then reads every sequence through one pool and block table)."""
+    if batch == 1:
+        return [synth_ced_state(model, context, seed=seed)]
+    from cedlm.cache.block_pool import BlockPool
+    block = 64
+    per_seq = -(-(context + new_tokens + 1) // block) + 1
+    pool = BlockPool(model.kv_layout, batch * per_seq, block)
+    return [synth_ced_state(model, context, seed=seed + b, pool=pool) for b in range(batch)]
 
 
 def synth_decoder_only_state(model, context: int, seed: int = 0, margin: int = 64):

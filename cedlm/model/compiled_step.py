@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -30,9 +29,8 @@ from cedlm.model import step as step_
 from cedlm.model.state import SequenceState
 
 ENV_VAR = "CEDLM_DECODE_STEP"
-# inductor's artefacts (FX graphs, generated C++) in the user's cache, not /tmp: a second start
-# of the same model finds them (TORCHINDUCTOR_CACHE_DIR set by the user wins)
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "cedlm" / "inductor"))
+# (cedlm/__init__.py points TORCHINDUCTOR_CACHE_DIR at ~/.cache/cedlm/inductor: a second start
+# of the same model loads the compiled graphs instead of compiling them)
 MODES = ("compiled", "static", "eager")
 
 
