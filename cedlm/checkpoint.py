@@ -52,7 +52,10 @@ def save_checkpoint(path: str | Path, model: CEDModel, tokenizer, training_state
     path = Path(path)
     with atomic_directory(path) as tmp:
         model.cfg.save_json(tmp / "config.json")
-        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        # views are copied: the compiled decode step makes some parameters views of one stacked
+        # or concatenated matrix (compiled_step.py), and safetensors refuses shared storage
+        state = {k: v.detach().cpu().contiguous() if v._base is None else v.detach().cpu().clone()
+                 for k, v in model.state_dict().items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save(tmp)
         if training_state is not None:

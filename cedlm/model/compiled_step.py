@@ -86,6 +86,7 @@ class CompiledDecode:
         self.shapes = step_.StepShapes(model)
         if self.mode != "eager":
             stack_experts(model)
+            step_.fuse_projections(model)
         self.fn = step_.decode_step
         if self.compile:
             self.fn = torch.compile(_own_copy(step_.decode_step), fullgraph=True, options={

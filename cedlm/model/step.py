@@ -150,13 +150,15 @@ def _attention(shapes, attn, x, p1, ring, ring_pos, pools, table, counts, pendin
     """One layer's attention for the step (see `Attention.forward`); returns ([B, 1, D], pool)."""
     cfg = shapes.cfg
     B = x.shape[0]
-    qr = attn.q_norm(attn.wq_a(x))
-    q = attn.wq_b(qr).unflatten(-1, (attn.H, attn.hd))                           # [B, 1, H, hd]
+    P = _project(attn.fused_x, x)                     # every projection of x in one product
+    qr = attn.q_norm(P["wq_a"])
+    P.update(_project(attn.fused_qr, qr))             # and of qr
+    q = P["wq_b"].unflatten(-1, (attn.H, attn.hd))                               # [B, 1, H, hd]
     if cfg.q_head_norm:
         q = rms(q, cfg.rms_norm_eps)
     q = attn.rope.apply(q, p1.unsqueeze(-1))
     # window: this token's row into the ring (slot order), the mask from positions
-    row = _encode(attn.rope.apply(attn.kv_norm(attn.wkv(x)), p1)[:, 0], shapes.window_fmt)   # [B, wb]
+    row = _encode(attn.rope.apply(attn.kv_norm(P["wkv"]), p1)[:, 0], shapes.window_fmt)    # [B, wb]
     out["window"].append(row)
     S = ring.shape[1]
     at = (torch.arange(S) == (p1 % S))                                           # [B, S]
@@ -165,7 +167,7 @@ def _attention(shapes, attn, x, p1, ring, ring_pos, pools, table, counts, pendin
     kp = torch.where(at, p1, ring_pos)
     win_valid = ((kp >= 0) & (kp <= p1) & (kp > p1 - cfg.sliding_window)).unsqueeze(1)   # [B, 1, S]
     if attn.role == "full":
-        comp[attn.layer_id] = _compress(shapes, attn, x, p1, pools, table, counts, pending, out)
+        comp[attn.layer_id] = _compress(shapes, attn, P, p1, pools, table, counts, pending, out)
     kv_fmt = shapes.kv_fmt.get(attn.src, shapes.window_fmt)
     comp_rows = ring.new_zeros(1, shapes.row_width.get(attn.src, ring.shape[-1]))
     comp_idx = torch.zeros(B, 1, 0, dtype=torch.int64)
@@ -175,7 +177,7 @@ def _attention(shapes, attn, x, p1, ring, ring_pos, pools, table, counts, pendin
         kv_pool = pools[("kv", attn.src)]
         if attn.sparse:
             if attn.role in ("full", "reindex"):
-                pool_sel = _select(shapes, attn.indexer, qr, x, p1, pools, table, comp, pool_sel, out)
+                pool_sel = _select(shapes, attn.indexer, P, p1, comp, pool_sel, out)
             idx, valid = out["topk"][attn.isrc]
         else:                                                   # every visible entry
             N = table.shape[1] * kv_pool.shape[1]
@@ -197,14 +199,14 @@ def _attention(shapes, attn, x, p1, ring, ring_pos, pools, table, counts, pendin
     return attn.wo_b(o), pool_sel
 
 
-def _compress(shapes, attn, x, p1, pools, table, counts, pending, out):
+def _compress(shapes, attn, P, p1, pools, table, counts, pending, out):
     """The source's entry completed by this token (if any); returns (n visible [B], n stored
     [B], the new entry's main-KV bytes [B, w], emit [B]). Its index key is spliced into the
     source's index rows at n (out["idx_rows"], what the indexers score)."""
     src, comp, r = attn.layer_id, attn.compressor, shapes.ratio[attn.layer_id]
-    B = x.shape[0]
+    B = p1.shape[0]
     pos = p1[:, 0]
-    kv, gate = comp.project(x[:, 0])                                             # [B, hd] fp32
+    kv, gate = P["c_wkv"][:, 0].float(), P["c_wgate"][:, 0].float() if r > 1 else None  # [B, hd]
     if r == 1:
         lat, emit, start = comp.norm(kv), torch.ones(B, dtype=torch.bool), pos
     else:
@@ -229,7 +231,7 @@ def _compress(shapes, attn, x, p1, pools, table, counts, pending, out):
     return n + emit.long(), n, main, emit
 
 
-def _select(shapes, ix, qr, x, p1, pools, table, comp, pool_sel, out):
+def _select(shapes, ix, P, p1, comp, pool_sel, out):
     """`Indexer.select` for one query row per sequence, over the padded entries."""
     cfg = shapes.cfg
     src = ix.keys_src
@@ -237,7 +239,8 @@ def _select(shapes, ix, qr, x, p1, pools, table, comp, pool_sel, out):
     raw = out["idx_rows"][src]
     N = raw.shape[1]
     visible = (torch.arange(N).view(1, 1, N) < n_vis.view(-1, 1, 1))             # [B, 1, N]
-    q, w = ix.queries(qr, x)
+    q = P["ix_q"].unflatten(-1, (ix.h, ix.d))                  # `Indexer.queries`, from the products
+    w = P["ix_w"].float() * (ix.d ** -0.5 * ix.h ** -0.5)
     q = _round(ix.rope.apply(q, p1.unsqueeze(-1)), shapes.idx_fmt[src]).contiguous()
     score = cedlm_ops.index_score(q, w.float().contiguous(), raw, visible, shapes.idx_fmt[src])
     cand = cfg.candidate_source_layer_id
@@ -274,6 +277,51 @@ def _moe(moe, x, image, out, l):
     o = y[:, 0]
     for j in range(1, y.shape[1]):
         o = o + y[:, j]
-    if moe.shared_experts is not None:
-        o = o + moe.shared_experts(xf).float()
+    if moe.shared_experts is not None:                # `Expert.forward`, w1 and w3 in one product
+        sh = moe.shared_experts
+        g, u = _project(moe.fused_shared, xf).values()
+        if sh.limit:
+            g, u = g.clamp(max=sh.limit), u.clamp(-sh.limit, sh.limit)
+        o = o + sh.w2(F.silu(g) * u).float()
     return o.to(x.dtype).view(B, 1, -1)
+
+
+def _project(fused, x):
+    """fused = (weight [sum of outs, in], names, sizes): {name: x @ its rows^T} from one product."""
+    W, names, sizes = fused
+    return dict(zip(names, F.linear(x, W).split(sizes, -1)))
+
+
+def fuse_projections(model) -> None:
+    """Per layer, the weights that multiply the same input concatenated into one matrix, the
+    modules' parameters made views of it (same storage, nothing copied twice): of the attention
+    input x (wq_a, wkv, the compressor's wkv and wgate, the indexer's weights_proj), of qr (wq_b,
+    the indexer's wq_b), of the MoE input (the shared expert's w1 and w3). One matrix product
+    instead of up to five (the step's own layout; the modules compute the same products)."""
+    for layer in model.layers:
+        a = layer.attn
+        if getattr(a, "fused_x", None) is not None:
+            continue
+        xs = [("wq_a", a.wq_a), ("wkv", a.wkv)]
+        if a.role == "full":
+            xs.append(("c_wkv", a.compressor.wkv))
+            if a.compressor.wgate is not None:
+                xs.append(("c_wgate", a.compressor.wgate))
+        qrs = [("wq_b", a.wq_b)]
+        if hasattr(a, "indexer"):
+            xs.append(("ix_w", a.indexer.weights_proj))
+            qrs.append(("ix_q", a.indexer.wq_b))
+        a.fused_x, a.fused_qr = _concat(xs), _concat(qrs)
+        sh = layer.ffn.shared_experts
+        layer.ffn.fused_shared = None if sh is None else _concat([("w1", sh.w1), ("w3", sh.w3)])
+
+
+def _concat(named):
+    W = torch.cat([m.weight.detach() for _, m in named])
+    sizes, at = [], 0
+    for _, m in named:
+        n = m.weight.shape[0]
+        m.weight.data = W[at: at + n]
+        sizes.append(n)
+        at += n
+    return W, [name for name, _ in named], sizes
