@@ -54,8 +54,7 @@ def save_checkpoint(path: str | Path, model: CEDModel, tokenizer, training_state
         model.cfg.save_json(tmp / "config.json")
         # views are copied: the compiled decode step makes some parameters views of one stacked
         # or concatenated matrix (compiled_step.py), and safetensors refuses shared storage
-        state = {k: v.detach().cpu().contiguous() if v._base is None else v.detach().cpu().clone()
-                 for k, v in model.state_dict().items()}
+        state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save(tmp)
         if training_state is not None:

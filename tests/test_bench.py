@@ -41,6 +41,9 @@ ROW_KEYS = {
              "ced_bandwidth_fraction", "llamacpp_f32_bandwidth_fraction",
              "llamacpp_f16_bandwidth_fraction"},
     "dspark": {"batch", "config", "decode_s", "decode_tokens", "tokens_per_s", "speedup", "identical"},
+    "step_ops": {"path", "top_level_ops_per_token", "all_ops_per_token", "python_calls_per_token",
+                 "step_median_s", "step_spread"},
+    "attn_packed": {"batch", "k", "window", "heads", "head_dim", "packed_s", "fp32_s", "ratio"},
 }
 
 

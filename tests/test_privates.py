@@ -32,6 +32,11 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
         "transformers selects the attention kernel of a config built in code through this field",
     ("cedlm/plan/capacity.py", "from cedlm.plan.kvbytes import _num"):
         "two modules of the planner share one number formatter",
+    ("cedlm/model/compiled_step.py", "torch._dynamo"):
+        "torch.compile's mark_dynamic (one graph for every context length and batch size) has no "
+        "public spelling in torch 2.13 (torch.compiler has none)",
+    ("cedlm/train/compile.py", "torch._dynamo"):
+        "torch._dynamo.config.recompile_limit (a graph per sequence length) has no public spelling",
 }
 
 REQUEST_PATH = ("cedlm/engine/", "cedlm/cache/kv_cache_manager.py", "cedlm/server/worker.py",
