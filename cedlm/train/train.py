@@ -10,6 +10,9 @@ average gradients across ranks, clip, AdamW with linear warmup and cosine decay 
 the MoE aux-loss-free balancing: every gate's selection bias moves by --bias-update-rate towards
 balance, from the tokens-per-expert load of this step (summed over ranks), and the load is reset.
 
+The forward + loss and its backward run compiled by torch.compile (`cedlm.train.compile`; about
+2x the tokens/s of eager at the shipped size; the first step compiles) unless --compile off.
+
 Gradients are averaged with one all-reduce of a flat buffer rather than the DDP wrapper: MoE experts
 that no token of the global batch chose keep `grad = None` exactly as in a single process (AdamW
 then skips them), which is what makes N ranks reproduce one process on the same global batch.
@@ -44,6 +47,7 @@ from cedlm.model import build_model
 from cedlm.text.engram_map import V41, build_token_map
 from cedlm.text.tokenizer import load_tokenizer
 from cedlm.train import checkpoint as train_state
+from cedlm.train.compile import compile_default, compile_flag, drop_unrouted, training_loss
 from cedlm.train.data import BatchSampler, val_batches
 from cedlm.train.optim import (clip_and_step, cosine_lr, param_groups, set_lr, sync_gradients,
                                update_moe_bias)
@@ -55,11 +59,11 @@ DEFAULTS = dict(
     out="runs/train", steps=1000, batch_size=16, seq_len=256, lr=1e-3, min_lr=1e-4, warmup=100,
     weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, eval_every=100, eval_batches=8,
     save_every=500, seed=1337, bias_update_rate=1e-3, threads=None, max_minutes=None,
-    stop_at_step=None, device="cpu", progress=True,
+    stop_at_step=None, device="cpu", progress=True, compile=None,   # None: compile_default()
 )
 # Settings of this invocation only: not saved, not restored on resume.
 RUN_ONLY = ("resume", "out", "threads", "max_minutes", "stop_at_step", "device", "progress", "func",
-            "command", "stage")
+            "command", "stage", "compile")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--resume", help="checkpoint or run dir to continue from")
     a("--device", help="cpu (default) or cuda")
     a("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    a("--compile", type=compile_flag, metavar="on|off",
+      help="torch.compile the training forward + backward (default on, or $CEDLM_TRAIN_COMPILE; "
+           "the first step compiles, its time is logged; artefacts cached in ~/.cache/cedlm/inductor)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +121,8 @@ def resolve_args(given: argparse.Namespace, saved: dict | None) -> argparse.Name
     if saved:
         merged.update(saved)
     merged.update({k: v for k, v in vars(given).items() if v is not None})
+    if merged["compile"] is None:
+        merged["compile"] = compile_default()
     return argparse.Namespace(**merged)
 
 
@@ -174,6 +183,8 @@ class TrainRun:
     step: int = 0
     log: MetricsLog | None = None         # metrics.jsonl (written by rank 0)
     budget: TimeBudget = field(default_factory=TimeBudget)   # --max-minutes of this process
+    loss_fn: object = None                # (x, y) -> mean cross-entropy: compiled or eager
+    first_step_s: float | None = None     # wall time of this process's first step
     elapsed0: float = 0.0                 # wall time of the run before this process (resume)
 
     @property
@@ -248,7 +259,7 @@ def setup(given: argparse.Namespace) -> TrainRun:
     sampler = BatchSampler(train_tok, a.seq_len, a.batch_size, a.seed, rank, world)
 
     run = TrainRun(a, rank, world, device, model, tokenizer, opt, sampler, val_tok, Path(a.out),
-                   budget=TimeBudget(a.max_minutes))
+                   budget=TimeBudget(a.max_minutes), loss_fn=training_loss(model, a.compile))
     if saved_state:
         opt.load_state_dict(saved_state["optimizer"])
         sampler.load_state_dict(saved_state["sampler"])
@@ -276,9 +287,9 @@ def optimisation_step(run: TrainRun) -> dict:
     set_lr(opt, lr)
     x, y = run.sampler.next_batch()
     x, y = x.to(run.device), y.to(run.device)
-    logits = model(x)
-    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    loss = run.loss_fn(x, y)
     loss.backward()
+    drop_unrouted(model)                  # as eager: no gradient for an expert no token chose
     if run.world > 1:
         sync_gradients(params, run.world)
     grad_norm = clip_and_step(opt, params, a.grad_clip)
@@ -286,6 +297,10 @@ def optimisation_step(run: TrainRun) -> dict:
     run.step += 1
     loss_v = all_mean(loss.item(), run.world, run.device)
     dt = time.time() - t0
+    if run.first_step_s is None:          # this process's first step: the compile, when on
+        run.first_step_s = dt
+        if a.compile and run.master:
+            print(f"cedlm train: first step (compiling the training step) {dt:.1f} s", file=sys.stderr)
     tokens_per_step = a.batch_size * a.seq_len
     return {"step": run.step, "loss": loss_v, "lr": lr, "grad_norm": grad_norm,
             "tokens": run.step * tokens_per_step, "tokens_per_s": tokens_per_step / dt,

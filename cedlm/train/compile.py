@@ -1,0 +1,102 @@
+"""The compiled training step: a model's training forward + loss captured by torch.compile
+(inductor, CPU: gcc), its backward compiled with it (AOTAutograd).
+
+    loss_fn = training_loss(model, compile=True)      # compiles in its first call
+    loss = loss_fn(x, y); loss.backward()
+
+What is compiled is the whole forward and the cross-entropy; the MoE's routed experts stay eager
+(their shapes follow the routing: `MoE._routed`), so each layer's graph ends before them and a
+new one starts after. Inductor's artefacts go to `~/.cache/cedlm/inductor` (or
+$TORCHINDUCTOR_CACHE_DIR when set): a second start with the same model shapes reuses them and
+compiles in a fraction of the first start's time.
+
+Eager and compiled agree within float rounding (tests/test_train_compile.py), not bit for bit:
+inductor fuses and reorders float operations. One difference is kept away by `drop_unrouted`:
+an expert that no token chose has no gradient in eager (AdamW then skips it, no weight decay);
+compiled, it gets a zero gradient, which `drop_unrouted` turns back into None.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ENV_VAR = "CEDLM_TRAIN_COMPILE"         # --compile's default: on unless this says off
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+DEFAULT_CACHE = Path.home() / ".cache" / "cedlm" / "inductor"
+
+
+def compile_flag(value: str) -> bool:
+    """--compile's value: on/off (also true/false, yes/no, 1/0) -> bool; anything else is the
+    parser's one-line error naming the flag."""
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+
+
+def compile_default() -> bool:
+    """--compile's default: on (measured 2x tokens/s at the shipped size, BENCHMARKS), unless
+    $CEDLM_TRAIN_COMPILE is off (the test suite sets it: its many tiny training runs would each
+    compile) or the reference kernels are forced (`CEDLM_REFERENCE_KERNELS=1`: no fast path)."""
+    from cedlm.kernels import reference_kernels
+    value = os.environ.get(ENV_VAR, "on")
+    try:
+        on = compile_flag(value)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"{ENV_VAR}: {e}") from None
+    return on and not reference_kernels()
+
+
+def use_inductor_cache() -> Path:
+    """Point inductor's on-disk cache at ~/.cache/cedlm/inductor unless the caller chose another
+    directory in $TORCHINDUCTOR_CACHE_DIR; -> the directory. (Importing torch's compile stack
+    sets that variable to inductor's default under /tmp, which a reboot empties: that value is
+    taken as not chosen.)"""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    cur = os.environ.get(CACHE_ENV)
+    if cur is None or os.path.abspath(cur) == os.path.abspath(default_cache_dir()):
+        os.environ[CACHE_ENV] = str(DEFAULT_CACHE)
+    d = Path(os.environ[CACHE_ENV])
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _cross_entropy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of the model's logits on x against targets y [B, S]."""
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def training_loss(model: torch.nn.Module, compile: bool, backend: str = "inductor"
+                  ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`loss_fn(x, y)`: the model's training forward and its mean cross-entropy, compiled or
+    eager. Compiling happens in the first call of each input shape (the forward) and its first
+    backward (AOTAutograd compiles the backward then): time the first step to see it. `backend`
+    is torch.compile's ("aot_eager": the same traced graphs run by eager kernels, no code
+    generated; what the quick test checks)."""
+    if not compile:
+        return lambda x, y: _cross_entropy(model, x, y)
+    use_inductor_cache()
+    # One graph per layer kind and pass; the default limit (8) is below a 12-layer model's.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    fn = torch.compile(_cross_entropy, dynamic=False, backend=backend)
+    return lambda x, y: fn(model, x, y)
+
+
+def drop_unrouted(model: torch.nn.Module) -> None:
+    """After backward: experts that no token chose this step (their MoE `load` count is 0) get
+    `grad = None`, as in eager, where they took no part in the graph. Call right after backward:
+    before the gradients are averaged over ranks (this rank's load: `sync_gradients` then keeps
+    None where no rank used an expert, as in eager) and before `optim.update_moe_bias` resets
+    the load."""
+    for layer in model.layers:
+        moe = layer.ffn
+        for e in torch.nonzero(moe.load == 0).flatten().tolist():
+            for p in moe.experts[e].parameters():
+                p.grad = None
