@@ -89,7 +89,7 @@ def _run(model, mode, prompts, steps, check_states=True):
         ref_states = copy.deepcopy(states)
         ref, log = _eager_decisions(model, toks, ref_states)
         args = step.inputs(torch.tensor(toks), states)
-        logits, out = step.fn(step.shapes, *args)
+        logits, out = step.fn(step.shape_for(states), *args)
         step.write_back(torch.tensor(toks), states, out)
         compared += 1
         if not _agree(model, log, out):

@@ -20,13 +20,14 @@ position), training mode. Modes (`decode_step` of the engine args, `CEDLM_DECODE
 """
 from __future__ import annotations
 
+import copy
 import os
 import time
 
 import torch
 
 from cedlm.model import step as step_
-from cedlm.model.state import SequenceState
+from cedlm.model.state import ByteRows, SequenceState
 
 ENV_VAR = "CEDLM_DECODE_STEP"
 # (cedlm/__init__.py points TORCHINDUCTOR_CACHE_DIR at ~/.cache/cedlm/inductor: a second start
@@ -84,6 +85,7 @@ class CompiledDecode:
             raise ValueError(f"decode_step: {self.mode!r} is not one of {MODES}")
         self.compile = self.mode == "compiled"
         self.shapes = step_.StepShapes(model)
+        self._shapes: dict[bool, step_.StepShapes] = {}
         if self.mode != "eager":
             stack_experts(model)
             step_.fuse_projections(model)
@@ -99,7 +101,7 @@ class CompiledDecode:
         # the modules whose state can take a call off the step (decisions, an offloaded table)
         self._watched = [mod for mod in model.modules()
                          if hasattr(mod, "decisions") or hasattr(mod, "host_table")]
-        self.compile_s: dict[int, float] = {}     # batch size -> seconds of its first call
+        self.compile_s: dict[str, float] = {}     # graph ("1", ">= 2", ...) -> seconds of its first call
         self.calls = self.fallbacks = 0
         self.log = log
 
@@ -122,42 +124,56 @@ class CompiledDecode:
 
     # ---------------------------------------------------------------- the call
     @torch.no_grad()
-    def __call__(self, input_ids, states: list[SequenceState]) -> torch.Tensor:
+    def __call__(self, input_ids, states: list[SequenceState], paged: bool | None = None) -> torch.Tensor:
+        """`model.decode(input_ids, states)`. paged: read the rows through the block table even
+        when they are one contiguous buffer (None: as they are kept)."""
         if self.why_not() is not None:
             self.fallbacks += 1
             return self.model.decode(input_ids, states)
         ids = torch.as_tensor(input_ids, dtype=torch.int64).view(-1)
         if ids.shape[0] != len(states):
             raise ValueError(f"input_ids: {ids.shape[0]} tokens for {len(states)} states")
+        shapes = self.shape_for(states, paged)
         args = self.inputs(ids, states)
         t0 = time.perf_counter()
-        logits, out = self.fn(self.shapes, *args)
-        B = min(len(states), 2)                   # 1 and >= 2: the graphs torch.compile keeps
-        if self.compile and B not in self.compile_s:
-            self.compile_s[B] = time.perf_counter() - t0
+        logits, out = self.fn(shapes, *args)
+        graph = "1" if len(states) == 1 else ">= 2"
+        graph += "" if not shapes.flat else ", contiguous rows"
+        if self.compile and graph not in self.compile_s:
+            self.compile_s[graph] = time.perf_counter() - t0
             if self.log:
-                self.log(f"decode step compiled for batch {'1' if B == 1 else '>= 2'} in "
-                         f"{self.compile_s[B]:.1f} s (inductor; cached on disk for the next start)")
+                self.log(f"decode step compiled for batch {graph} in {self.compile_s[graph]:.1f} s "
+                         f"(inductor; cached on disk for the next start)")
         self.calls += 1
         self.write_back(ids, states, out)
         return logits
 
     @torch.no_grad()
-    def warm_up(self) -> dict[int, float]:
-        """Compile both graphs (batch 1 and batch >= 2) on scratch states before the first
-        request, so that no request waits for the compiler; returns {1: s, 2: s} (nothing when
-        not compiling). The scratch states are the model's own contiguous rows; the engine's
-        paged rows run the same graphs (their pool and table sizes are dynamic dimensions)."""
+    def warm_up(self) -> dict[str, float]:
+        """Compile the engine's two graphs (batch 1 and batch >= 2, rows read through a block
+        table) on scratch states before the first request, so that no request waits for the
+        compiler; returns {graph: seconds} (nothing when not compiling). The scratch states are
+        the model's own contiguous rows read as one-block pools: the engine's paged pools run
+        the same graphs (their sizes are dynamic dimensions)."""
         if not self.compile or self.why_not() is not None:
             return {}
         for B in (1, 2):
-            if B in self.compile_s:
-                continue
             states = [self.model.new_state() for _ in range(B)]
             for st in states:
                 self.model.prefill(torch.arange(3, 7), st)
-            self(list(range(B)), states)
+            self(list(range(B)), states, paged=True)
         return dict(self.compile_s)
+
+    def shape_for(self, states: list[SequenceState], paged: bool | None = None) -> step_.StepShapes:
+        """The step's static description for this call: `flat` when one sequence's rows are
+        contiguous buffers (read in place; the engine's paged rows go through the table)."""
+        flat = (not paged and len(states) == 1
+                and isinstance(states[0].kv[self.shapes.sources[0]], ByteRows))
+        if flat not in self._shapes:
+            sh = copy.copy(self.shapes)
+            sh.flat = flat
+            self._shapes[flat] = sh
+        return self._shapes[flat]
 
     def inputs(self, ids: torch.Tensor, states: list[SequenceState]):
         """The step's tensors (see `step.decode_step`)."""
@@ -175,6 +191,10 @@ class CompiledDecode:
         else:
             rings = torch.stack([st.window_all for st in states], 1)
             ring_pos = torch.stack([st.window_pos_all for st in states], 1)
+        if B == 1 and isinstance(states[0].kv[self.shapes.sources[0]], ByteRows):
+            st = states[0]                   # the entry this token may complete needs a row
+            for rows in (*st.kv.values(), *st.index.values()):
+                rows.reserve(rows.n + 1)
         pools, table = self._pools(states)
         counts = {s: torch.tensor([st.kv[s].n for st in states], dtype=torch.int64)
                   for s in self.shapes.sources}

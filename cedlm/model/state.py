@@ -27,13 +27,17 @@ class ByteRows:
 
     def append(self, rows: torch.Tensor) -> None:
         k = rows.shape[0]
-        if self.n + k > self.buf.shape[0]:
-            cap = max(self.buf.shape[0] * 2, self.n + k)
+        self.reserve(self.n + k)
+        self.buf[self.n: self.n + k] = rows
+        self.n += k
+
+    def reserve(self, n: int) -> None:
+        """Room for at least n rows (grows by doubling; the rows kept)."""
+        if n > self.buf.shape[0]:
+            cap = max(self.buf.shape[0] * 2, n)
             new = torch.zeros(cap, self.width, dtype=torch.uint8)
             new[: self.n] = self.buf[: self.n]
             self.buf = new
-        self.buf[self.n: self.n + k] = rows
-        self.n += k
 
     def view(self) -> torch.Tensor:
         return self.buf[: self.n]

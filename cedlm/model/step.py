@@ -12,8 +12,9 @@ the same token's logits from tensors whose shapes do not depend on the data:
   another summation order.
 - compressed entries: each row kind is a pool of blocks [nblocks, per_block, width] read through
   the batch's block table [B, nb]; the table always has a spare column (block 0 where nothing is
-  allocated), so entry n (the one this token may complete) has a place. A completed entry is
-  spliced in at index n with a mask; entries j < n + emit are visible.
+  allocated), so entry n (the one this token may complete) has a place. The completed entry is
+  not stored yet: its index score and its main-KV bytes are put in at index n with a mask;
+  entries j < n + emit are visible.
 - compressor: the pending rows of an incomplete group arrive padded [B, r-1, hd]; the group is
   pooled when this token completes it (pos % r == r-1), else the token joins the pending rows.
 - attention: one kernel over the packed bytes (`attend_packed`): the window ring rows (FP8) and
@@ -69,14 +70,11 @@ def _all_rows(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return pool[table].reshape(B, nb * pool.shape[1], pool.shape[2])
 
 
-def _splice(rows: torch.Tensor, n: torch.Tensor, new: torch.Tensor, emit: torch.Tensor) -> torch.Tensor:
-    """rows [B, N, w] with row n[b] replaced by new [B, w] where emit[b]."""
-    at = (torch.arange(rows.shape[1]) == n.unsqueeze(1)) & emit.unsqueeze(1)
-    return torch.where(at.unsqueeze(-1), new.unsqueeze(1), rows)
-
-
 class StepShapes:
-    """What the step's shapes depend on, per model: roles, sources, formats (read once)."""
+    """What the step's shapes depend on, per model: roles, sources, formats (read once), and
+    whether this call's rows are one contiguous buffer (`flat`; a graph of its own)."""
+
+    flat = False
 
     def __init__(self, model):
         cfg = model.cfg
@@ -92,7 +90,8 @@ class StepShapes:
 
 
 def decode_step(shapes: StepShapes, ids, pos, hist, rings, ring_pos, pools, table, counts, pending):
-    """One token per sequence.
+    """One token per sequence (`shapes.flat`: one sequence whose rows are one contiguous buffer,
+    the pool [1, capacity, width], read without the table).
 
     ids, pos [B] int64; hist [B, h] the h previous token ids (Engram; pad id before position 0);
     rings [L, B, S, wb] uint8 and ring_pos [L, B, S] int64 (the windows before this step);
@@ -225,8 +224,8 @@ def _compress(shapes, attn, P, p1, pools, table, counts, pending, out):
         ix = attn.indexer
         key = _round(ix.rope.apply(ix.keys(lat), start), shapes.idx_fmt[src])
         idx_bytes = _encode(key, shapes.idx_fmt[src])
-        raw = _splice(_all_rows(pools[("idx", src)], table), n, idx_bytes, emit)
-        out.setdefault("idx_rows", {})[src] = raw
+        raw = pools[("idx", src)] if shapes.flat else _all_rows(pools[("idx", src)], table)
+        out.setdefault("idx_rows", {})[src] = (raw, key, n, emit)
     out["entries"][src] = (main, idx_bytes, emit)
     return n + emit.long(), n, main, emit
 
@@ -236,16 +235,20 @@ def _select(shapes, ix, P, p1, comp, pool_sel, out):
     cfg = shapes.cfg
     src = ix.keys_src
     n_vis = comp[src][0]
-    raw = out["idx_rows"][src]
+    raw, key, n, emit = out["idx_rows"][src]
     N = raw.shape[1]
-    visible = (torch.arange(N).view(1, 1, N) < n_vis.view(-1, 1, 1))             # [B, 1, N]
+    at = torch.arange(N).view(1, 1, N)
     q = P["ix_q"].unflatten(-1, (ix.h, ix.d))                  # `Indexer.queries`, from the products
     w = P["ix_w"].float() * (ix.d ** -0.5 * ix.h ** -0.5)
     q = _round(ix.rope.apply(q, p1.unsqueeze(-1)), shapes.idx_fmt[src]).contiguous()
-    score = cedlm_ops.index_score(q, w.float().contiguous(), raw, visible, shapes.idx_fmt[src])
+    # the stored keys straight from their bytes; the key this token completed (not stored yet)
+    # scored here and put at its index n
+    score = cedlm_ops.index_score(q, w.float().contiguous(), raw, at < n.view(-1, 1, 1), shapes.idx_fmt[src])
+    new = (torch.einsum("bthd,bd->bth", q, key).relu() * w).sum(-1)             # [B, 1]
+    score = torch.where((at == n.view(-1, 1, 1)) & emit.view(-1, 1, 1), new.unsqueeze(-1), score)
     cand = cfg.candidate_source_layer_id
     if ix.layer_id == cand:
-        pool_sel = candidate_pool(score, visible.sum(-1), cfg.candidate_block_size, cfg.candidate_topk_blocks)
+        pool_sel = candidate_pool(score, n_vis.view(-1, 1), cfg.candidate_block_size, cfg.candidate_topk_blocks)
     elif pool_sel is not None and cand is not None and cfg.kv_source_of(cand) == src:
         score = score.masked_fill(~pool_sel, NEG)
     k = min(cfg.index_topk, N)
