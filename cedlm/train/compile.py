@@ -42,9 +42,10 @@ def compile_flag(value: str) -> bool:
 
 
 def compile_default() -> bool:
-    """--compile's default: on (measured 2x tokens/s at the shipped size, BENCHMARKS), unless
-    $CEDLM_TRAIN_COMPILE is off (the test suite sets it: its many tiny training runs would each
-    compile) or the reference kernels are forced (`CEDLM_REFERENCE_KERNELS=1`: no fast path)."""
+    """--compile's default: on (1.4-3x the tokens/s of eager at the shipped size, measured by
+    bench/scripts/train_throughput.py), unless $CEDLM_TRAIN_COMPILE is off (the test suite sets
+    it: its many tiny training runs would each compile) or the reference kernels are forced
+    (`CEDLM_REFERENCE_KERNELS=1`: no fast path)."""
     from cedlm.kernels import reference_kernels
     value = os.environ.get(ENV_VAR, "on")
     try:
