@@ -21,8 +21,8 @@ torch.set_num_threads(1)
 # every engine test, at no compile cost per model); tests/test_compiled_step.py compiles it and
 # compares it with the eager reference. A subprocess (cedlm serve) inherits the choice.
 os.environ.setdefault("CEDLM_DECODE_STEP", "static")
-# Training runs in the suite are tiny and many: eager (`cedlm train pretrain`'s default --compile
-# would compile each); tests/test_train_compile.py compiles one and compares it with eager.
+# Training runs in the suite are tiny and many: eager, whatever the caller's environment says
+# (--compile is off by default); tests/test_train_compile.py compiles one and compares it.
 os.environ.setdefault("CEDLM_TRAIN_COMPILE", "off")
 
 

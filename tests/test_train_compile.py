@@ -66,6 +66,8 @@ def test_compile_flag_parses(monkeypatch, capsys):
     assert "argument --compile: expected on or off, got 'maybe'" in capsys.readouterr().err
     omitted = p.parse_args([])
     assert omitted.compile is None                     # the default: compile_default()
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert resolve_args(omitted, None).compile is False   # off unless asked (a cold compile: ~15 min)
     monkeypatch.setenv(ENV_VAR, "on")
     assert resolve_args(omitted, None).compile is True
     assert resolve_args(p.parse_args(["--compile", "off"]), None).compile is False

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-ENV_VAR = "CEDLM_TRAIN_COMPILE"         # --compile's default: on unless this says off
+ENV_VAR = "CEDLM_TRAIN_COMPILE"         # --compile's default: off unless this says on
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 DEFAULT_CACHE = Path.home() / ".cache" / "cedlm" / "inductor"
 
@@ -42,12 +42,14 @@ def compile_flag(value: str) -> bool:
 
 
 def compile_default() -> bool:
-    """--compile's default: on (1.4-3x the tokens/s of eager at the shipped size, measured by
-    bench/scripts/train_throughput.py), unless $CEDLM_TRAIN_COMPILE is off (the test suite sets
-    it: its many tiny training runs would each compile) or the reference kernels are forced
-    (`CEDLM_REFERENCE_KERNELS=1`: no fast path)."""
+    """--compile's default: off, unless $CEDLM_TRAIN_COMPILE is on (and the reference kernels are
+    not forced: `CEDLM_REFERENCE_KERNELS=1`, no fast path). Compiled training measured 1.3-1.4x
+    the tokens/s of eager at the shipped size on an idle core (bench/scripts/train_throughput.py),
+    but its first step compiles for about 15 minutes with an empty cache (2-4 with a warm one):
+    it pays after roughly 350 steps cold, 55 warm, so a long run (the default model's
+    pretraining) asks for it with --compile on; a short run or a first try does not wait."""
     from cedlm.kernels import reference_kernels
-    value = os.environ.get(ENV_VAR, "on")
+    value = os.environ.get(ENV_VAR, "off")
     try:
         on = compile_flag(value)
     except argparse.ArgumentTypeError as e:

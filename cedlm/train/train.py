@@ -10,9 +10,9 @@ average gradients across ranks, clip, AdamW with linear warmup and cosine decay 
 the MoE aux-loss-free balancing: every gate's selection bias moves by --bias-update-rate towards
 balance, from the tokens-per-expert load of this step (summed over ranks), and the load is reset.
 
-The forward + loss and its backward run compiled by torch.compile (`cedlm.train.compile`: 1.4x
-the tokens/s of eager at the shipped size on an idle core, more under load; the first step
-compiles, minutes, cached for the next start) unless --compile off.
+With --compile on, the forward + loss and its backward run compiled by torch.compile
+(`cedlm.train.compile`: 1.3-1.4x the tokens/s of eager at the shipped size on an idle core, more
+under load; the first step compiles, about 15 minutes cold, 2-4 cached): worth it for long runs.
 
 Gradients are averaged with one all-reduce of a flat buffer rather than the DDP wrapper: MoE experts
 that no token of the global batch chose keep `grad = None` exactly as in a single process (AdamW
@@ -99,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--device", help="cpu (default) or cuda")
     a("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     a("--compile", type=compile_flag, metavar="on|off",
-      help="torch.compile the training forward + backward (default on, or $CEDLM_TRAIN_COMPILE; "
+      help="torch.compile the training forward + backward (default off, or $CEDLM_TRAIN_COMPILE; "
            "the first step compiles, its time is logged; artefacts cached in ~/.cache/cedlm/inductor)")
 
 
