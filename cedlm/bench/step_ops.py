@@ -1,5 +1,7 @@
-"""Figure: what one decoded token costs the interpreter: torch ops and Python calls per token, the
-eager reference step (`CEDModel.decode`) against the compiled static step (`compiled_step.py`).
+"""Figure: torch ops and Python calls per decoded token, eager step against compiled step.
+
+What one decoded token costs the interpreter: the eager reference step (`CEDModel.decode`)
+against the compiled static step (`cedlm/model/compiled_step.py`, the engine's default).
 
 For each path, at batch 1 on a state of `context` tokens (built directly, as the decode figure
 does): `torch.profiler` over n steps counts the ops it records, split into top-level ops (no
