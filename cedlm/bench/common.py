@@ -137,12 +137,8 @@ def ced_decode_fn(model, mode: str | None = None):
     `decode_step` ("compiled", "static", "eager"; None: the engine's default, compiled unless
     CEDLM_DECODE_STEP or CEDLM_REFERENCE_KERNELS say otherwise). One step object per model and
     mode, so its compiled graphs are made once per run (`.compile_s` says how long that took)."""
-    from cedlm.model.compiled_step import CompiledDecode, default_mode
-    mode = mode or default_mode()
-    cache = model.__dict__.setdefault("_bench_decode_steps", {})
-    if mode not in cache:
-        cache[mode] = CompiledDecode(model, mode)
-    return cache[mode]
+    from cedlm.model.compiled_step import CompiledDecode
+    return CompiledDecode.of(model, mode)
 
 
 def _build_ced(cfg: ModelConfig, seed: int):

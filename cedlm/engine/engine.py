@@ -81,7 +81,7 @@ class Engine:
                                    prefill_chunk=self.cfg.prefill_chunk, max_model_len=self.max_model_len)
         self.sampler = Sampler()
         # One token per sequence: the compiled static step, or the reference (compiled_step.py).
-        self.decoder = CompiledDecode(model, self.cfg.decode_step, log=log.info)
+        self.decoder = CompiledDecode.of(model, self.cfg.decode_step, log=log.info)
         self.requests: dict[str, Request] = {}
         self.runs: dict[str, SequenceRuntime] = {}   # request id -> the engine's objects for it
         self.peak: dict[str, int] = {}           # peak KV bytes in use, by kind

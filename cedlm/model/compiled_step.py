@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+import weakref
 
 import torch
 
@@ -61,6 +62,10 @@ def stack_experts(model) -> None:
                 getattr(e, name).weight.data = w[i]
             stacks.append(w)
         moe.stacked = tuple(stacks)
+
+
+# model -> {mode: CompiledDecode}; weak, so a model that is dropped takes its graphs with it
+_STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _own_copy(fn):
@@ -104,6 +109,17 @@ class CompiledDecode:
         self.compile_s: dict[str, float] = {}     # graph ("1", ">= 2", ...) -> seconds of its first call
         self.calls = self.fallbacks = 0
         self.log = log
+
+    @classmethod
+    def of(cls, model, mode: str | None = None, log=None) -> "CompiledDecode":
+        """The model's step for `mode` (None: `default_mode()`), made once per model and mode:
+        engines built one after another on the same model share its compiled graphs (a new
+        object would trace and load them again, about 20 s)."""
+        mode = default_mode() if mode is None else mode
+        steps = _STEPS.setdefault(model, {})
+        if mode not in steps:
+            steps[mode] = cls(model, mode, log=log)
+        return steps[mode]
 
     # ---------------------------------------------------------------- eligibility
     def why_not(self) -> str | None:
