@@ -208,9 +208,9 @@ class CompiledDecode:
             rings = torch.stack([st.window_all for st in states], 1)
             ring_pos = torch.stack([st.window_pos_all for st in states], 1)
         if B == 1 and isinstance(states[0].kv[self.shapes.sources[0]], ByteRows):
-            st = states[0]                   # the entry this token may complete needs a row
-            for rows in (*st.kv.values(), *st.index.values()):
-                rows.reserve(rows.n + 1)
+            st = states[0]                   # the entry this token may complete needs a row,
+            for rows in (*st.kv.values(), *st.index.values()):    # and the top-k a full k
+                rows.reserve(max(rows.n + 1, self.model.cfg.index_topk))
         pools, table = self._pools(states)
         counts = {s: torch.tensor([st.kv[s].n for st in states], dtype=torch.int64)
                   for s in self.shapes.sources}
@@ -249,14 +249,19 @@ class CompiledDecode:
             pools = {}
             for k in kinds:
                 bufs = [rows(st, k).blocks()[0][0] for st in states]
-                pool = torch.zeros(len(bufs), max(b.shape[0] for b in bufs), bufs[0].shape[1],
+                cap = max(max(b.shape[0] for b in bufs), self.model.cfg.index_topk)
+                pool = torch.zeros(len(bufs), cap, bufs[0].shape[1],
                                    dtype=torch.uint8)
                 for b, buf in enumerate(bufs):
                     pool[b, : buf.shape[0]] = buf
                 pools[k] = pool
             tables = [[b] for b in range(len(states))]
             pad = list(range(len(states)))
-        nb = max(len(t) for t in tables) + 1
+        # a spare column (the entry this token may complete), and at least index_topk slots in
+        # every row kind: the top-k is then always k = index_topk wide (a k that followed the
+        # table width would be a constant torch.compile has to specialise on)
+        per = min(p.shape[1] for p in pools.values())
+        nb = max(max(len(t) for t in tables) + 1, -(-self.model.cfg.index_topk // per))
         table = torch.tensor([list(t) + [pad[b]] * (nb - len(t)) for b, t in enumerate(tables)],
                              dtype=torch.int64)
         if self.compile:                     # one graph for every context length
