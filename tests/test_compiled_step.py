@@ -198,3 +198,25 @@ def test_static_step_incremental_equals_full_forward():
     inc = torch.cat(out)
     assert full.std() > 0.05                                    # the comparison is not vacuous
     assert (inc - full[:-1]).abs().max().item() < TOL
+
+
+@torch.no_grad()
+def test_compile_failure_falls_back_to_the_uncompiled_step(shipped, caplog):
+    """A machine without a working compiler: the first compiled call raises; one warning line,
+    and the same step runs uncompiled (the states untouched by the failed call)."""
+    step = CompiledDecode(shipped, "static")
+    step.compile, step.mode = True, "compiled"
+
+    def broken(*a, **k):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
+    step.fn = broken
+    st, ref = shipped.new_state(), shipped.new_state()
+    prompt = torch.arange(5, 40)
+    t = int(shipped.prefill(prompt, st)[-1].argmax())
+    shipped.prefill(prompt, ref)
+    with caplog.at_level("WARNING"):
+        logits = step([t], [st])
+    assert step.mode == "static" and not step.compile
+    assert "torch.compile failed (RuntimeError: InvalidCxxCompiler: No working C++ compiler found)" in caplog.text
+    assert (logits - shipped.decode([t], [ref])).abs().max().item() < TOL
+    assert st.num_tokens == ref.num_tokens

@@ -21,6 +21,7 @@ position), training mode. Modes (`decode_step` of the engine args, `CEDLM_DECODE
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import time
 import weakref
@@ -152,7 +153,13 @@ class CompiledDecode:
         shapes = self.shape_for(states, paged)
         args = self.inputs(ids, states)
         t0 = time.perf_counter()
-        logits, out = self.fn(shapes, *args)
+        try:
+            logits, out = self.fn(shapes, *args)
+        except Exception as e:               # no compiler, no Python headers, an inductor bug:
+            if not self.compile:             # the same step uncompiled (nothing was written yet)
+                raise
+            self._give_up_compiling(e)
+            logits, out = self.fn(shapes, *args)
         graph = "1" if len(states) == 1 else ">= 2"
         graph += "" if not shapes.flat else ", contiguous rows"
         if self.compile and graph not in self.compile_s:
@@ -163,6 +170,13 @@ class CompiledDecode:
         self.calls += 1
         self.write_back(ids, states, out)
         return logits
+
+    def _give_up_compiling(self, e: Exception) -> None:
+        why = (str(e).strip().splitlines() or [""])[0][:200]
+        logging.getLogger(__name__).warning(
+            "decode step: torch.compile failed (%s: %s); running the step uncompiled "
+            "(--decode-step static)", type(e).__name__, why)
+        self.compile, self.mode, self.fn = False, "static", step_.decode_step
 
     @torch.no_grad()
     def warm_up(self) -> dict[str, float]:
