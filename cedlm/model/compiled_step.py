@@ -109,6 +109,7 @@ class CompiledDecode:
                          if hasattr(mod, "decisions") or hasattr(mod, "host_table")]
         self.compile_s: dict[str, float] = {}     # graph ("1", ">= 2", ...) -> seconds of its first call
         self.calls = self.fallbacks = 0
+        self._said: set[str] = set()
         self.log = log
 
     @classmethod
@@ -144,8 +145,13 @@ class CompiledDecode:
     def __call__(self, input_ids, states: list[SequenceState], paged: bool | None = None) -> torch.Tensor:
         """`model.decode(input_ids, states)`. paged: read the rows through the block table even
         when they are one contiguous buffer (None: as they are kept)."""
-        if self.why_not() is not None:
+        why = self.why_not()
+        if why is not None:
             self.fallbacks += 1
+            if self.mode != "eager" and why not in self._said:       # once per reason
+                self._said.add(why)
+                logging.getLogger(__name__).info("decode step: the reference CEDModel.decode "
+                                                 "runs while %s", why)
             return self.model.decode(input_ids, states)
         ids = torch.as_tensor(input_ids, dtype=torch.int64).view(-1)
         if ids.shape[0] != len(states):
