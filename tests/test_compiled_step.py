@@ -220,3 +220,21 @@ def test_compile_failure_falls_back_to_the_uncompiled_step(shipped, caplog):
     assert "torch.compile failed (RuntimeError: InvalidCxxCompiler: No working C++ compiler found)" in caplog.text
     assert (logits - shipped.decode([t], [ref])).abs().max().item() < TOL
     assert st.num_tokens == ref.num_tokens
+
+
+@torch.no_grad()
+def test_engine_warm_up_runs_in_its_pool_and_frees_it(shipped):
+    """`Engine.warm_up` runs the step on scratch sequences in the engine's own block pool (the
+    shapes the engine's graphs see) and gives every block back. The step runs uncompiled here
+    (marked as compiling), which follows the same path without the compile time."""
+    from cedlm.engine.args import EngineConfig
+    from cedlm.engine.engine import Engine
+    eng = Engine(shipped, None, EngineConfig(decode_step="static", kv_budget_bytes=8 << 20))
+    free = eng.pool.num_free
+    assert eng.warm_up() == {}                          # not compiling: nothing to do
+    eng.decoder.compile = True                          # the warm-up flow, without inductor
+    try:
+        done = eng.warm_up()
+    finally:
+        eng.decoder.compile = False
+    assert set(done) == {"1", ">= 2"} and eng.pool.num_free == free

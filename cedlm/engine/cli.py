@@ -85,6 +85,9 @@ def _run(args) -> int:
                       else f"model: {e}")
     except Exception as e:                      # noqa: BLE001 - a checkpoint that does not load
         return _error(f"model: {args.model!r} could not be loaded: {type(e).__name__}: {e}")
+    # the decode step's graph for one sequence compiled (or loaded from the cache) here, so that
+    # tok/s below is generation speed; its time is reported apart
+    compile_s = sum(llm.engine.warm_up((1,)).values())
     t1 = time.monotonic()
     try:
         if args.chat:
@@ -101,7 +104,7 @@ def _run(args) -> int:
     stats = {
         "prompt_tokens": len(out.prompt_token_ids), "generated_tokens": len(out.token_ids),
         "tokens_per_s": len(out.token_ids) / dt if dt > 0 else None, "elapsed_s": dt,
-        "load_s": t1 - t0, "finish_reason": out.finish_reason,
+        "load_s": t1 - t0, "decode_step_compile_s": compile_s, "finish_reason": out.finish_reason,
         "kv_bytes_per_token": st["kv_bytes_per_token"],
         "kv_bytes_peak": dict(llm.engine.peak), "prefix_cache_queries": st["prefix_queries"],
         "prefix_cache_hits": st["prefix_hits"], "encoder_tokens": st["encoder_tokens"],
@@ -125,7 +128,9 @@ def _run(args) -> int:
         print(f"\n[{stats['prompt_tokens']} prompt + {stats['generated_tokens']} generated tokens, "
               f"{tps} tok/s, global KV {stats['kv_bytes_per_token']:g} B/token, "
               f"peak KV bytes {stats['kv_bytes_peak']}, "
-              f"prefix-cache hits {stats['prefix_cache_hits']}/{stats['prefix_cache_queries']}]",
+              f"prefix-cache hits {stats['prefix_cache_hits']}/{stats['prefix_cache_queries']}"
+              + (f", decode step compiled or loaded in {compile_s:.1f} s before generating"
+                 if compile_s else "") + "]",
               file=sys.stderr)
         if out.prompt_logprobs is not None:
             ppl = stats["prompt_perplexity"]

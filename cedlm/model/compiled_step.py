@@ -185,16 +185,16 @@ class CompiledDecode:
         self.compile, self.mode, self.fn = False, "static", step_.decode_step
 
     @torch.no_grad()
-    def warm_up(self) -> dict[str, float]:
-        """Compile the engine's two graphs (batch 1 and batch >= 2, rows read through a block
-        table) on scratch states before the first request, so that no request waits for the
-        compiler; returns {graph: seconds} (nothing when not compiling). The scratch states are
-        the model's own contiguous rows read as one-block pools: the engine's paged pools run
-        the same graphs (their sizes are dynamic dimensions)."""
+    def warm_up(self, batch_sizes: tuple[int, ...] = (1, 2), rows=None) -> dict[str, float]:
+        """Compile the engine's graphs (batch 1 and batch >= 2, rows read through a block table)
+        on scratch states before the first request, so that no request waits for the compiler;
+        returns {graph: seconds} (nothing when not compiling). rows: the `SequenceState` rows
+        factory of the engine's block pool (`Engine.warm_up` passes it and frees the blocks), so
+        the scratch states have the pool's shapes; without it, contiguous rows."""
         if not self.compile or self.why_not() is not None:
             return {}
-        for B in (1, 2):
-            states = [self.model.new_state() for _ in range(B)]
+        for B in batch_sizes:
+            states = [self.model.new_state(None if rows is None else rows()) for _ in range(B)]
             for st in states:
                 self.model.prefill(torch.arange(3, 7), st)
             self(list(range(B)), states, paged=True)

@@ -106,7 +106,7 @@ def build_app(args):
     from cedlm.server.app import api_key_from_env, create_app
     from cedlm.engine.args import EngineArgs
     llm = LLM(model=args.model, args=EngineArgs.from_cli(args))
-    llm.engine.decoder.warm_up()             # compile before serving (logged; cached on disk)
+    llm.engine.warm_up()                     # compile before serving (logged; cached on disk)
     table = AliasTable.from_cli(args.served_model_name or default_served_name(args.model), args.alias)
     return create_app(llm, aliases=table, api_key=api_key_from_env(args.api_key),
                       max_waiting=args.max_waiting,
