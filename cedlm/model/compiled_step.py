@@ -49,22 +49,6 @@ def default_mode() -> str:
     return v
 
 
-def stack_experts(model) -> None:
-    """Give every MoE stacked expert weights ([E, out, in] per projection) whose slices ARE the
-    experts' parameters (same storage: nothing is copied twice, a later load writes both)."""
-    for layer in model.layers:
-        moe = layer.ffn
-        if getattr(moe, "stacked", None) is not None:
-            continue
-        stacks = []
-        for name in ("w1", "w2", "w3"):
-            w = torch.stack([getattr(e, name).weight.detach() for e in moe.experts])
-            for i, e in enumerate(moe.experts):
-                getattr(e, name).weight.data = w[i]
-            stacks.append(w)
-        moe.stacked = tuple(stacks)
-
-
 # model -> {mode: CompiledDecode}; weak, so a model that is dropped takes its graphs with it
 _STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -93,7 +77,7 @@ class CompiledDecode:
         self.shapes = step_.StepShapes(model)
         self._shapes: dict[bool, step_.StepShapes] = {}
         if self.mode != "eager":
-            stack_experts(model)
+            step_.stack_experts(model)
             step_.fuse_projections(model)
         self.fn = step_.decode_step
         if self.compile:

@@ -319,7 +319,23 @@ def fuse_projections(model) -> None:
         layer.ffn.fused_shared = None if sh is None else _concat([("w1", sh.w1), ("w3", sh.w3)])
 
 
+def stack_experts(model) -> None:
+    """Give every MoE stacked expert weights ([E, out, in] per projection, `moe.stacked`) whose
+    slices ARE the experts' parameters (`_concat`: same storage, a later load writes both)."""
+    for layer in model.layers:
+        moe = layer.ffn
+        if getattr(moe, "stacked", None) is not None:
+            continue
+        stacks = []
+        for name in ("w1", "w2", "w3"):
+            W, _, sizes = _concat([(str(i), getattr(e, name)) for i, e in enumerate(moe.experts)])
+            stacks.append(W.view(len(sizes), sizes[0], -1))
+        moe.stacked = tuple(stacks)
+
+
 def _concat(named):
+    """The modules' weights concatenated along their output dim, each module's weight made a view
+    of its rows: (weight [sum of outs, in], names, sizes)."""
     W = torch.cat([m.weight.detach() for _, m in named])
     sizes, at = [], 0
     for _, m in named:
