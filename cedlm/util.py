@@ -93,3 +93,52 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# the device option (--device, LLM(device=...)): one resolver for every command
+# ---------------------------------------------------------------------------------------------
+
+CUDA_INSTALL_HINT = ("install the CUDA build of the same torch: `.venv/bin/pip install torch==2.13.0 "
+                     "--index-url https://download.pytorch.org/whl/cu128` (README, section 'On a GPU')")
+
+
+def resolve_device(name=None, field: str = "device"):
+    """The ``torch.device`` a command runs on. ``None`` or ``"auto"``: CUDA when this torch build
+    sees a GPU, else the CPU. ``"cpu"``, ``"cuda"`` or ``"cuda:N"``: that device, or a ValueError
+    naming ``field`` (the CPU wheel has no CUDA; N must be a visible GPU). Other kinds (mps, xpu)
+    are refused: cedlm's exactness tests have only run on CPU and CUDA."""
+    import torch
+    if isinstance(name, torch.device):
+        name = str(name)
+    if name is None or str(name).strip().lower() in ("", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    text = str(name).strip().lower()
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"{field}: {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(f"{field}: {name!r} is not supported; use auto, cpu, cuda or cuda:N")
+    if not torch.backends.cuda.is_built():
+        raise ValueError(f"{field}: {name!r} needs a CUDA build of torch, and this one is the CPU "
+                         f"wheel ({torch.__version__}); {CUDA_INSTALL_HINT}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{field}: {name!r} requested but no CUDA device is visible "
+                         f"(torch.cuda.is_available() is False)")
+    n = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= n:
+        raise ValueError(f"{field}: {name!r} but only {n} CUDA device(s) are visible")
+    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def describe_device(dev) -> str:
+    """One line for the start-up log: the device and what it is (GPU name and memory)."""
+    import torch
+    dev = torch.device(dev)
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        return f"{dev} ({p.name}, {p.total_memory / 2**30:.0f} GiB)"
+    return f"cpu ({torch.get_num_threads()} torch threads)"

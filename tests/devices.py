@@ -1,0 +1,61 @@
+"""Devices for the tests, and two CPU-only checks that code is device-agnostic.
+
+``DEVICES``: the devices an exactness test is parametrised over (``@pytest.mark.parametrize(
+"device", DEVICES)``): the CPU always, CUDA when this torch build sees a GPU, skipped with the
+reason otherwise.
+
+On a machine without a GPU nothing runs on CUDA, yet code that would break there can be found:
+
+* ``implicit_device_guard()``: tensors created without a ``device=`` land on the ``meta`` device
+  for the block, so a factory call (``torch.arange(n)``, ``torch.tensor(ids)``) that would put a
+  tensor on the CPU beside a model on the GPU fails at once ("Tensor on device meta is not on the
+  expected device cpu"). The model itself runs on the CPU, with real values.
+* ``fake_cuda(module)``: a copy of the module whose parameters and buffers are fake tensors on
+  ``cuda`` (``torch._subclasses.FakeTensorMode``: shapes, dtypes and devices, no data), and the
+  mode to run it in; an op that mixes it with a tensor on the CPU raises
+  ``FakeTensorDeviceMismatchError``. Only shape-static code runs there (no ``.item()``, no
+  ``.tolist()``).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+NO_CUDA = ("no CUDA device: torch.cuda.is_available() is False (the CPU torch wheel, or no GPU); "
+           "the CUDA half of this test runs on a machine with one (bench/scripts/gpu_check.sh)")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason=NO_CUDA))]
+
+
+@contextlib.contextmanager
+def implicit_device_guard():
+    """Within the block, a tensor created without an explicit device is put on ``meta``."""
+    prev = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        yield
+    finally:
+        torch.set_default_device(prev)
+
+
+def fake_cuda(module: torch.nn.Module):
+    """(copy of ``module`` on a fake ``cuda`` device, the FakeTensorMode to run it in)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    mode = FakeTensorMode(allow_non_fake_inputs=False,
+                          shape_env=ShapeEnv(allow_dynamic_output_shape_ops=True))
+    fake = copy.deepcopy(module)
+    with mode:
+        for mod in fake.modules():
+            for k, p in list(mod._parameters.items()):
+                if p is not None:
+                    mod._parameters[k] = torch.nn.Parameter(
+                        torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="cuda"),
+                        requires_grad=p.requires_grad)
+            for k, b in list(mod._buffers.items()):
+                if b is not None:
+                    mod._buffers[k] = torch.empty_strided(b.shape, b.stride(), dtype=b.dtype, device="cuda")
+    return fake, mode
