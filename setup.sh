@@ -4,8 +4,14 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
-.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build. On a machine with an
+# NVIDIA GPU, TORCH_INDEX_URL picks the CUDA build of the same version, e.g.
+#   TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 ./setup.sh
+if [ -n "${TORCH_INDEX_URL:-}" ]; then
+  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 --index-url "$TORCH_INDEX_URL"
+else
+  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+fi
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
 # Compiled kernels (cedlm/kernels/csrc, 1-2 minutes) into the per-user cache ~/.cache/cedlm/kernels
 # (CEDLM_KERNEL_DIR overrides it): optional. Without them cedlm logs one line and runs the torch
