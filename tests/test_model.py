@@ -1,4 +1,5 @@
 """The CED model: incremental inference equals the full forward; prefill modes; layer roles."""
+import copy
 import json
 import re
 from pathlib import Path
@@ -9,6 +10,7 @@ import torch
 from cedlm import CEDModel, ModelConfig
 from cedlm.model.attention import attend
 from cedlm.model.moe import MoE
+from tests.devices import DEVICES
 from tests.golden import _clone_without_windows
 
 REF = Path(__file__).resolve().parents[1] / "cedlm" / "config" / "official"
@@ -23,6 +25,17 @@ def tiny():
     return CEDModel(cfg).eval()
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def on_device(request, tiny):
+    """`tiny` on each test device (the same weights): the exactness tests below run on the CPU
+    always and on CUDA when this torch build sees a GPU (tests/devices.py)."""
+    return tiny if request.param == "cpu" else copy.deepcopy(tiny).to(request.param)
+
+
+def _dev(model):
+    return next(model.parameters()).device
+
+
 def _run(model, ids, n_prompt, mode="full", chunk=None):
     """Prefill n_prompt tokens, then decode the rest one by one; logits predicting ids[n_prompt:]."""
     st = model.new_state()
@@ -32,10 +45,11 @@ def _run(model, ids, n_prompt, mode="full", chunk=None):
     return torch.cat(out), st
 
 
-def test_incremental_decode_equals_full_forward(tiny, kernels):
+def test_incremental_decode_equals_full_forward(on_device, kernels):
+    tiny = on_device
     cfg = tiny.cfg
     S = 6 * cfg.sliding_window                          # >= 4 x n_win tokens
-    ids = torch.randint(0, cfg.vocab_size, (S,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, cfg.vocab_size, (S,), generator=torch.Generator().manual_seed(1)).to(_dev(tiny))
     full = tiny(ids[None])[0]
     inc, st = _run(tiny, ids, 1)
     assert (inc - full[:-1]).abs().max().item() < 1e-4
@@ -43,10 +57,11 @@ def test_incremental_decode_equals_full_forward(tiny, kernels):
     assert st.num_tokens == S - 1
 
 
-def test_prefill_modes(tiny, tmp_path):
+def test_prefill_modes(on_device, tmp_path):
+    tiny = on_device
     cfg = tiny.cfg
     S = 8 * cfg.sliding_window
-    ids = torch.randint(0, cfg.vocab_size, (S + 12,), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, cfg.vocab_size, (S + 12,), generator=torch.Generator().manual_seed(2)).to(_dev(tiny))
     full, _ = _run(tiny, ids, S, "full")
     exact, _ = _run(tiny, ids, S, "exact")
     chunked, _ = _run(tiny, ids, S, "exact", chunk=5)
@@ -76,11 +91,12 @@ def test_exact_prefill_bound_is_tight(tiny, monkeypatch):
     assert (short - full).abs().max().item() > 1e-5      # one row fewer is no longer exact
 
 
-def test_batched_decode_equals_single(tiny, kernels):
+def test_batched_decode_equals_single(on_device, kernels):
+    tiny = on_device
     cfg = tiny.cfg
     g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (5, 17, 30)]
-    nxt = torch.randint(0, cfg.vocab_size, (3, 6), generator=g)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).to(_dev(tiny)) for n in (5, 17, 30)]
+    nxt = torch.randint(0, cfg.vocab_size, (3, 6), generator=g).to(_dev(tiny))
     singles, single_states = [], []
     for p, cont in zip(prompts, nxt):
         st = tiny.new_state()
@@ -224,10 +240,11 @@ def test_training_forward_backward(tiny):
         tiny.eval()
 
 
-def test_exact_replay_reproduces_uninterrupted_run(tiny, kernels):
+def test_exact_replay_reproduces_uninterrupted_run(on_device, kernels):
+    tiny = on_device
     cfg = tiny.cfg
     S = 2 * tiny.replay_tokens("exact") + 3                 # odd: a pending compressor group
-    ids = torch.randint(0, cfg.vocab_size, (S + 8,), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(0, cfg.vocab_size, (S + 8,), generator=torch.Generator().manual_seed(7)).to(_dev(tiny))
     st = tiny.new_state()
     first = tiny.prefill(ids[:S], st, "full")[-1]
     restored = _clone_without_windows(tiny, st)
@@ -270,11 +287,12 @@ def test_engram_tables_offloaded_to_memory_map(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("split", [2, 9, 17, 40])
-def test_prefill_continued_in_a_second_call_equals_full_forward(tiny, split, kernels):
+def test_prefill_continued_in_a_second_call_equals_full_forward(on_device, split, kernels):
     """A prompt appended to a state that already holds tokens (multi-turn, a prefix hit): the
     decoder pass must still see the global source's window rows from before the call, which the
     encoder pass has overwritten in the ring by then."""
-    ids = torch.randint(0, tiny.cfg.vocab_size, (split + 17,), generator=torch.Generator().manual_seed(21))
+    tiny = on_device
+    ids = torch.randint(0, tiny.cfg.vocab_size, (split + 17,), generator=torch.Generator().manual_seed(21)).to(_dev(tiny))
     full = tiny(ids[None])[0]
     for mode in ("full", "exact", "bounded"):
         st = tiny.new_state()

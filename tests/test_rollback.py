@@ -19,6 +19,7 @@ code, on this CPU and under MKL_ENABLE_INSTRUCTIONS=SSE4_2) only when a differin
 import pytest
 import torch
 
+from tests.devices import DEVICES
 from cedlm.config import ModelConfig
 from cedlm.model import CEDModel
 from cedlm.model.decisions import Decisions
@@ -28,11 +29,16 @@ KEPT_ATOL, NEXT_ATOL = 1e-4, 1e-3          # same codes on both sides
 FLIPPED_ATOL = 2e-2                         # a measured code one step apart (see above)
 
 
-@pytest.fixture(scope="module")
-def tiny():
+@pytest.fixture(scope="module", params=DEVICES)
+def tiny(request):
+    """The tiny model on each test device: CPU always, CUDA when present (tests/devices.py)."""
     cfg = ModelConfig.preset("tiny").replace(initializer_range=0.08)
     torch.manual_seed(0)
-    return CEDModel(cfg).eval()
+    return CEDModel(cfg).eval().to(request.param)
+
+
+def _on(model, ids):
+    return ids.to(next(model.parameters()).device)
 
 
 def _code_pairs(a, b):
@@ -87,6 +93,7 @@ def _assert_same(a, b, exact: bool = True, pending_atol: float | None = None, co
 
 def _pinned_pair(model, ids, a, b):
     """verify(ids) on a, then on b with a's choices replayed -> (logits a, logits b)."""
+    ids = _on(model, ids)
     with Decisions.record(model) as rec:
         la = verify(model, ids, [a])[0]
     with Decisions.replay(model, rec.log):
@@ -96,11 +103,12 @@ def _pinned_pair(model, ids, a, b):
 
 def _prefilled(model, prompt):
     st = model.new_state()
-    model.prefill(prompt, st, "full")
+    model.prefill(_on(model, prompt), st, "full")
     return st
 
 
 def _verify_keep(model, st, ids, n_keep):
+    ids = _on(model, ids)
     m = mark(st, ids.shape[1])
     logits, cap = verify(model, ids, [st])
     rollback(model, st, m, n_keep, cap, 0)
@@ -144,7 +152,7 @@ def test_rollback_equals_a_run_that_never_drafted(tiny, prompt_len, n_keep):
     with Decisions.record(tiny) as rec:
         la = _verify_keep(tiny, a, ids, n_keep)
     with Decisions.replay(tiny, rec.log, prefix_rows=True):   # the kept rows' choices
-        lr, _ = verify(tiny, ids[:, :n_keep], [ref])
+        lr, _ = verify(tiny, _on(tiny, ids[:, :n_keep]), [ref])
     assert torch.allclose(la[:, :n_keep], lr, atol=_atol(KEPT_ATOL, a, ref))
     _assert_same(a, ref, exact=False)
     nxt = torch.randint(0, V, (1, 4), generator=g)
@@ -165,6 +173,7 @@ def test_keeping_none_restores_every_byte(tiny, prompt_len):
     _verify_keep(tiny, a, torch.randint(0, V, (1, 8), generator=g), 0)
     _assert_same(a, ref, exact=True)
     nxt = torch.randint(0, V, (1, 3), generator=g)                 # and both go on alike, exactly
+    nxt = _on(tiny, nxt)
     assert torch.equal(verify(tiny, nxt, [a])[0], verify(tiny, nxt, [ref])[0])
     _assert_same(a, ref, exact=True)
 
@@ -174,6 +183,6 @@ def test_rollback_checks(tiny):
     with pytest.raises(ValueError, match="exceed the window"):
         mark(st, tiny.cfg.sliding_window + 1)
     m = mark(st, 3)
-    _, cap = verify(tiny, torch.tensor([[1, 2, 3]]), [st])
+    _, cap = verify(tiny, _on(tiny, torch.tensor([[1, 2, 3]])), [st])
     with pytest.raises(ValueError, match="n_keep"):
         rollback(tiny, st, m, 4, cap, 0)
