@@ -39,7 +39,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     # dspark); a figure that fixes one of them for what it measures says so and keeps its value.
     from cedlm.engine.args import EngineConfig, add_cli_args
     g = p.add_argument_group("engine options (default: the engine's; see `cedlm serve --help`)")
-    add_cli_args(g, skip=BENCH_SKIPS, **{f: None for f in EngineConfig.__dataclass_fields__})
+    # --device: the figure set measures the CPU (its models, threads and peers), so cpu is the
+    # default here; the GPU figures are bench/scripts/gpu_check.sh
+    add_cli_args(g, skip=BENCH_SKIPS, device="cpu", **{f: None for f in EngineConfig.__dataclass_fields__})
     p.add_argument("--dspark-model", type=Path, default=None, metavar="DIR",
                    help="dspark figure: the model dir with its trained drafter (mtp.safetensors; "
                         "default runs/dspark/export when it has one, else the shipped cedlm/assets/model)")
@@ -62,6 +64,15 @@ def run(args) -> int:
         names = select(args.only)
     except ValueError as e:
         raise SystemExit(f"cedlm bench: error: {e}")
+    from cedlm.util import describe_device, resolve_device
+    try:
+        device = resolve_device(getattr(args, "device", "cpu"), "device")
+    except ValueError as e:
+        raise SystemExit(f"cedlm bench: error: {e}")
+    if device.type != "cpu":
+        raise SystemExit(f"cedlm bench: error: device: {device}: this figure set measures the CPU; "
+                         f"the GPU figures are bench/scripts/gpu_check.sh")
+    print(f"cedlm bench: device {describe_device(device)}", flush=True)
     from cedlm.engine.args import EngineConfig
     engine_options = {f: getattr(args, f) for f in EngineConfig.__dataclass_fields__
                       if getattr(args, f, None) is not None}

@@ -3,7 +3,7 @@
 
 `EngineConfig` is the part the `Engine` itself reads (memory, batching, prefill); `EngineArgs`
 adds how the model is loaded and run (threads, Engram offload, speculative decoding, the KV
-store). Each field's command-line flag is its name with dashes (`--max-num-seqs`), except the
+store, the device). Each field's command-line flag is its name with dashes (`--max-num-seqs`), except the
 spellings kept from before: `--kv-budget` (kv_budget_bytes, with K/M/G suffixes), `--threads`
 (num_threads), `--no-prefix-cache` (enable_prefix_cache). `add_cli_args` adds the flags to a
 parser; `EngineArgs.from_cli(namespace)` reads them back.
@@ -35,8 +35,9 @@ def parse_bytes(s: str) -> int:
     return n
 
 
-def _opt(default, help: str, flag: str | None = None, **cli) -> Any:
-    return field(default=default, metadata={"help": help, "flag": flag, "cli": cli})
+def _opt(default, help: str, flag: str | None = None, none: str | None = None, **cli) -> Any:
+    """A field with its flag's help; `none`: what a None default means, for the help."""
+    return field(default=default, metadata={"help": help, "flag": flag, "cli": cli, "none": none})
 
 
 @dataclass
@@ -85,6 +86,9 @@ class EngineArgs(EngineConfig):
     engram_mmap: str | None = _opt(None, "directory to memory-map the Engram tables from (host "
                                    "memory / disk)")
     seed: int = _opt(0, "seed for a preset's random weights", "--seed", type=int)
+    device: str | None = _opt(None, "where the model, its KV cache and the sampler live: auto (CUDA "
+                              "when this torch build sees a GPU, else the CPU), cpu, cuda or cuda:N",
+                              none="auto", metavar="DEVICE")
     store: Any = field(default=None, metadata={"help": "KV store (path, redis:// URL or object)"})
 
     def __post_init__(self):
@@ -96,6 +100,13 @@ class EngineArgs(EngineConfig):
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
         self.speculative_config()               # its own checks (threshold range, ...)
+        self.resolved_device()                  # a device this torch cannot use fails here
+
+    def resolved_device(self):
+        """The `torch.device` the engine runs on (`cedlm.util.resolve_device`: None / "auto" ->
+        CUDA when available, else the CPU); a ValueError naming `device` for one it cannot use."""
+        from cedlm.util import resolve_device
+        return resolve_device(self.device, "device")
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)})
@@ -122,7 +133,8 @@ def add_cli_args(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), **de
             continue
         default = defaults.get(f.name, f.default)
         flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
-        help = f.metadata["help"] + ("" if default is None else f" (default: {default})")
+        shown = default if default is not None else f.metadata.get("none")
+        help = f.metadata["help"] + ("" if shown is None else f" (default: {shown})")
         names = [flag] + ([flag.replace("-", "_").replace("__", "--", 1)] if "-" in flag[2:] else [])
         if f.name == "enable_prefix_cache":
             p.add_argument(flag, dest=f.name, action="store_false", default=default,

@@ -4,6 +4,8 @@ A bad flag or request ends with one `cedlm generate: error: ...` line on stderr 
 (argparse's own errors print the usage first), never a traceback. The presets (`--model tiny`,
 `small`, ...) build RANDOM weights: a one-line warning says so unless `--random-weights` is given.
 `--prompt-logprobs K` scores the prompt (then `--max-tokens 0` is allowed: scoring only).
+`--device` (auto: CUDA when available, else the CPU) is checked before the model loads; the
+device it runs on is printed on stderr once the model is loaded (`device` in `--json`'s stats).
 """
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ def _run(args) -> int:
     try:
         engine_args = EngineArgs.from_cli(args, skip=("seed",))   # --seed: sampling
     except ValueError as e:
-        return _error(str(e).replace("num_threads:", "--threads:", 1))
+        return _error(str(e).replace("num_threads:", "--threads:", 1))   # device: ... as well
     if isinstance(args.model, str) and args.model in PRESETS and not args.random_weights:
         print(f"{PROG}: WARNING: --model {args.model} is a preset with RANDOM weights: its output is "
               f"noise (pass a checkpoint directory, or --random-weights to silence this)",
@@ -81,10 +83,13 @@ def _run(args) -> int:
     try:
         llm = LLM(model=args.model, args=engine_args)
     except (OSError, ValueError) as e:          # no such model, bad config (ConfigError), unreadable
-        return _error(str(e) if str(e).startswith(("model", "speculative", "num_draft_tokens"))
+        return _error(str(e) if str(e).startswith(("model", "speculative", "num_draft_tokens", "device"))
                       else f"model: {e}")
     except Exception as e:                      # noqa: BLE001 - a checkpoint that does not load
         return _error(f"model: {args.model!r} could not be loaded: {type(e).__name__}: {e}")
+    from cedlm.util import describe_device
+    device = describe_device(llm.device)
+    print(f"{PROG}: device {device}", file=sys.stderr, flush=True)
     # the decode step's graph for one sequence compiled (or loaded from the cache) here, so that
     # tok/s below is generation speed; its time is reported apart
     compile_s = sum(llm.engine.warm_up((1,)).values())
@@ -104,7 +109,7 @@ def _run(args) -> int:
     stats = {
         "prompt_tokens": len(out.prompt_token_ids), "generated_tokens": len(out.token_ids),
         "tokens_per_s": len(out.token_ids) / dt if dt > 0 else None, "elapsed_s": dt,
-        "load_s": t1 - t0, "decode_step_compile_s": compile_s, "finish_reason": out.finish_reason,
+        "load_s": t1 - t0, "device": device, "decode_step_compile_s": compile_s, "finish_reason": out.finish_reason,
         "kv_bytes_per_token": st["kv_bytes_per_token"],
         "kv_bytes_peak": dict(llm.engine.peak), "prefix_cache_queries": st["prefix_queries"],
         "prefix_cache_hits": st["prefix_hits"], "encoder_tokens": st["encoder_tokens"],

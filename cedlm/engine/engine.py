@@ -32,6 +32,7 @@ from cedlm.cache.kv_cache_manager import KVCacheManager, blocks_for_budget
 from cedlm.cache.prefix import model_fingerprint
 from cedlm.engine.args import EngineConfig
 from cedlm.engine.images import expand as expand_images, span_embeds as image_span_embeds
+from cedlm.engine.loader import model_device
 from cedlm.engine.output import RequestTimes, StepOutput
 from cedlm.engine.prompt_scoring import PromptScorer
 from cedlm.engine.request import Request
@@ -66,6 +67,8 @@ class Engine:
     def __init__(self, model: CEDModel, tokenizer=None, config: EngineConfig | None = None, store=None,
                  speculative: SpeculativeConfig | None = None):
         self.model, self.tokenizer = model.eval(), tokenizer
+        # where everything the engine builds lives: the model's device (LLM put it there)
+        self.device = model_device(model)
         # DSpark speculative decoding (engine/speculative.py): None decodes one token per step.
         self.speculator = DSparkSpeculator(model, speculative) if speculative is not None else None
         self.cfg = config or EngineConfig()
@@ -164,7 +167,7 @@ class Engine:
         for r in reqs:
             self.requests[r.request_id] = r
             self.runs[r.request_id] = SequenceRuntime(
-                StopChecker(r.params, eos_token_id=eos), make_generator(r.params.seed),
+                StopChecker(r.params, eos_token_id=eos), make_generator(r.params.seed, self.device),
                 self.tokenizer.stream(skip_special=r.params.skip_special_tokens) if self.tokenizer is not None else None)
         self.runs[reqs[0].request_id].forks = reqs[1:]
         self.counters["prompt_tokens"] += len(ids)

@@ -46,11 +46,14 @@ def expand(model, prompt_ids: list[int], images) -> tuple[list[int], list[Reques
 @torch.no_grad()
 def span_embeds(model, images: list[RequestImage]) -> list[tuple[int, torch.Tensor]]:
     """[(start, span embeddings)] for a sequence state; runs the tower for images not yet run."""
+    from cedlm.engine.loader import model_device
     from cedlm.model.vision import encode_image
+    dev = model_device(model)                  # the patches are prepared on the host
     out = []
     for im in images:
         if im.embeds is None:
-            im.embeds = encode_image(model, im.image.patches, im.image.vit_grid, im.image.llm_grid)
+            im.embeds = encode_image(model, im.image.patches.to(dev, non_blocking=True),
+                                     im.image.vit_grid, im.image.llm_grid)
         out.append((im.start, im.embeds))
     return out
 

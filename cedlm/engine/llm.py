@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 
 from cedlm.engine.args import EngineArgs
 from cedlm.engine.engine import Engine
-from cedlm.engine.loader import load
+from cedlm.engine.loader import load, model_device
 from cedlm.engine.output import StepOutput
 from cedlm.engine.request import Request, TokenLogprob, select_samples
 from cedlm.engine.sampling_params import SamplingParams
+from cedlm.model import CEDModel
 
 
 @dataclass
@@ -101,7 +102,10 @@ class LLM:
         `EngineArgs` fields (engine/args.py: kv_budget_bytes, max_num_seqs, block_tokens,
         prefill_chunk, prefill_mode, replay_mode, enable_prefix_cache, max_model_len,
         speculative="dspark", speculative_threshold, num_draft_tokens, num_threads, engram_mmap,
-        seed, store), as keywords or as `args`."""
+        seed, store, device), as keywords or as `args`. `device` (default: CUDA when available,
+        else the CPU; a CEDModel instance given with no device stays where it is) holds the
+        weights, the KV cache and the sampler; the Engram tables stay in host RAM with
+        `engram_mmap`. `self.device` is where it runs."""
         if args is not None and options:
             raise ValueError(f"args: pass EngineArgs or keyword options, not both ({sorted(options)})")
         bad = sorted(set(options) - {f.name for f in dataclasses.fields(EngineArgs)})
@@ -111,9 +115,10 @@ class LLM:
         if a.num_threads is not None:
             import torch
             torch.set_num_threads(a.num_threads)
-        self.model, self.tokenizer = load(model, tokenizer, a.seed)
-        if a.engram_mmap is not None:
-            self.model.offload_engram(a.engram_mmap)
+        # resolved before loading (EngineArgs checked it already): a bad device fails fast
+        dev = None if a.device is None and isinstance(model, CEDModel) else a.resolved_device()
+        self.model, self.tokenizer = load(model, tokenizer, a.seed, device=dev, engram_mmap=a.engram_mmap)
+        self.device = model_device(self.model)
         store = a.store
         if isinstance(store, str):
             from cedlm.cache.store import StoreConnectionError, open_store

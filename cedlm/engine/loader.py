@@ -1,5 +1,11 @@
 """Resolve `model=` to (CEDModel, tokenizer): a checkpoint directory, a preset name (random
-weights, seeded), a CEDModel instance, or None for the shipped default model."""
+weights, seeded), a CEDModel instance, or None for the shipped default model; and put it on its
+device (`device=`), the Engram tables memory-mapped in host RAM first when asked (`engram_mmap`).
+
+A checkpoint or preset is built on the CPU (a preset's random weights are then the same on every
+device), its Engram tables moved to their memory-mapped host files when `engram_mmap` is given
+(they are then no parameters: `model.to` leaves them in host RAM, the seeds' design), and only
+then moved to the device."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,12 +33,25 @@ def tokenizer_for_vocab(vocab_size: int):
     return None
 
 
-def load(model=None, tokenizer=None, seed: int = 0):
+def load(model=None, tokenizer=None, seed: int = 0, device=None, engram_mmap=None):
+    """(CEDModel in eval mode on `device`, tokenizer). `device`: a `torch.device` (resolved by the
+    caller, `cedlm.util.resolve_device`); None leaves a CEDModel instance where it is and puts a
+    loaded one on the CPU. `engram_mmap`: directory to memory-map the Engram tables from."""
     m, tok = load_any(model, tokenizer, seed)
     if not isinstance(m, CEDModel):
         raise ConfigError("model: the decoder-only baseline (arch 'decoder_only') is a benchmark baseline; "
                           "the engine serves CED models (arch 'ced')")
+    if engram_mmap is not None:
+        m.offload_engram(engram_mmap)            # on the CPU, before the move: tables stay on the host
+    if device is not None:
+        m.to(device)
     return m, tok
+
+
+def model_device(model) -> torch.device:
+    """The device a model's weights live on (the CPU for a model without parameters)."""
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
 def load_any(model=None, tokenizer=None, seed: int = 0):

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cedlm.engine.loader import model_device
 from cedlm.engine.sampler import apply_top_k_top_p
 from cedlm.model import dspark
 from cedlm.model.rollback import capture, mark, rollback, verify
@@ -71,7 +72,7 @@ def accept_sampled(drafts: list[int], q: torch.Tensor, p: torch.Tensor, gen) -> 
     normalise(max(p_i - q_i, 0)); when all are kept one more token comes from p_k."""
     out = []
     for i, d in enumerate(drafts):
-        u = torch.rand((), generator=gen).item()
+        u = torch.rand((), generator=gen, device=p.device).item()
         if u * float(q[i, d]) < float(p[i, d]):            # u < p/q without dividing by 0
             out.append(d)
             continue
@@ -92,8 +93,9 @@ def probs(logits: torch.Tensor, params) -> torch.Tensor:
     if k < V or params.top_p < 1.0:
         shape = x.shape
         x = x.reshape(-1, V)
-        kk = torch.full((x.shape[0],), k) if k < V else None
-        pp = torch.full((x.shape[0],), params.top_p, dtype=x.dtype) if params.top_p < 1.0 else None
+        kk = torch.full((x.shape[0],), k, device=x.device) if k < V else None
+        pp = (torch.full((x.shape[0],), params.top_p, dtype=x.dtype, device=x.device)
+              if params.top_p < 1.0 else None)
         x = apply_top_k_top_p(x, kk, pp).reshape(shape)
     return x.softmax(-1)
 
@@ -154,6 +156,7 @@ class DSparkSpeculator:
                              "a model directory ships them in mtp.safetensors, made by "
                              "`cedlm train dspark`)")
         self.model, self.cfg = model, config or SpeculativeConfig()
+        self.device = model_device(model)           # the drafter's tensors go where the model is
         N = model.cfg.dspark_block_size
         self.k_max = min(self.cfg.num_draft_tokens or N, N, model.cfg.sliding_window - 1)
         self.stats = SpecStats(verified_at=[0] * N, accepted_at=[0] * N)
@@ -165,7 +168,8 @@ class DSparkSpeculator:
     def write_context(self, states, taps: torch.Tensor, p0: list[int], n: list[int]) -> None:
         """Draft-layer window rows for the first n[b] rows of taps [B, T, taps*D] (positions
         p0[b]...)."""
-        pos = torch.tensor(p0).view(-1, 1) + torch.arange(taps.shape[1])
+        dev = taps.device
+        pos = torch.tensor(p0, device=dev).view(-1, 1) + torch.arange(taps.shape[1], device=dev)
         with torch.no_grad():
             rows = dspark.context_rows(self.model.mtp, taps, pos)
         for b, st in enumerate(states):
@@ -221,8 +225,9 @@ class DSparkSpeculator:
         for u in runs:
             if u.draft is None:
                 u.draft = self.new_draft_state()       # context fills as it decodes
-        anchors = torch.tensor([r.output_ids[-1] for r in reqs])
-        P = torch.tensor([u.state.num_tokens for u in runs])
+        dev = self.device
+        anchors = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)
+        P = torch.tensor([u.state.num_tokens for u in runs], device=dev)
         drafts, dlogits, conf = self.draft(reqs, runs, anchors, P)
         k = []
         for b, left in enumerate(tokens_left):
@@ -276,6 +281,7 @@ class DSparkSpeculator:
         lsm = torch.log_softmax(logits.float(), -1)
         out = []
         for b, toks in enumerate(emitted):
-            lps = lsm[b, torch.arange(len(toks)), torch.tensor(toks)].tolist()
+            at = torch.tensor(toks, device=lsm.device)
+            lps = lsm[b, torch.arange(len(toks), device=lsm.device), at].tolist()
             out.append(list(zip(toks, lps)))
         return out

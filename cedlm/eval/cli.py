@@ -29,12 +29,20 @@ def _ppl(args: argparse.Namespace) -> int:
     from cedlm.eval.ppl import DEFAULT_SEQ_LEN, evaluate_ppl, resolve_model, trained_seq_len
     if args.threads:
         torch.set_num_threads(args.threads)
+    from cedlm.util import describe_device, resolve_device
     text = _read(args.text)
     if not text.strip():                     # before loading the model: one line, no traceback
         print(f"cedlm eval ppl: error: text: {args.text} is empty; nothing to score", file=sys.stderr)
         return 2
     try:
+        device = resolve_device(args.device, "device")
+    except ValueError as e:
+        print(f"cedlm eval ppl: error: {e}", file=sys.stderr)
+        return 2
+    try:
         model, tok, name = resolve_model(args.model)
+        model.to(device)
+        print(f"cedlm eval ppl: device {describe_device(device)}", file=sys.stderr)
         seq_len = args.seq_len or trained_seq_len(name) or DEFAULT_SEQ_LEN
         res = evaluate_ppl(model, tok, text, seq_len=seq_len, batch_size=args.batch_size,
                            progress=not args.json and sys.stderr.isatty(), model_name=name)
@@ -68,6 +76,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     q.add_argument("--seq-len", type=int, help="window length (default: the trained seq_len, else 256)")
     q.add_argument("--batch-size", type=int, default=8, help="windows per forward (default 8)")
     q.add_argument("--threads", type=int, help="torch threads")
+    q.add_argument("--device", default=None, help="auto (default: CUDA when available, else the CPU), "
+                   "cpu, cuda or cuda:N")
     q.add_argument("--json", action="store_true", help="print a JSON object")
     q.set_defaults(func=_ppl)
 

@@ -48,12 +48,14 @@ def trained_seq_len(path: str | Path) -> int | None:
 @torch.no_grad()
 def evaluate_ppl(model, tokenizer, text: str, seq_len: int = DEFAULT_SEQ_LEN, batch_size: int = 8,
                  progress: bool = False, model_name: str | None = None) -> dict:
-    """Score `text` under `model`: {perplexity, bits_per_byte, tokens, bytes, nats, model}."""
+    """Score `text` under `model` (on its device): {perplexity, bits_per_byte, tokens, bytes, nats,
+    model}."""
     ids = tokenizer.encode(text)
     n_bytes = len(text.encode("utf-8"))
     if not ids:
         raise ValueError("text: nothing to score (empty after tokenisation)")
-    seq = torch.tensor([tokenizer.eos_id] + ids, dtype=torch.int64)
+    dev = next(model.parameters()).device
+    seq = torch.tensor([tokenizer.eos_id] + ids, dtype=torch.int64, device=dev)
     starts = list(range(0, len(ids), seq_len))              # window i predicts seq[s+1 : s+L+1]
     was = model.training
     model.eval()

@@ -70,7 +70,7 @@ def _card(srv: ServerState, name: str) -> ModelCard:
     st = "current" if name == table.served_name else table.aliases[name]
     return ModelCard(id=name, created=srv.created, root=table.served_name, status=st,
                      replacement=table.served_name if st == "deprecated" else None,
-                     max_model_len=srv.max_model_len)
+                     max_model_len=srv.max_model_len, device=srv.device)
 
 
 @models_router.get("/v1/models")

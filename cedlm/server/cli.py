@@ -1,4 +1,8 @@
-"""`cedlm serve`: the OpenAI-compatible server (FastAPI + uvicorn), loopback by default."""
+"""`cedlm serve`: the OpenAI-compatible server (FastAPI + uvicorn), loopback by default.
+
+`--device` (auto: CUDA when available, else the CPU) is checked before the model loads (a bad one
+is one `cedlm serve: error: device: ...` line, exit 2); the device is logged at start, printed in
+the start-up line and reported on every /v1/models card (`device`)."""
 from __future__ import annotations
 
 import argparse
@@ -106,6 +110,10 @@ def build_app(args):
     from cedlm.server.app import api_key_from_env, create_app
     from cedlm.engine.args import EngineArgs
     llm = LLM(model=args.model, args=EngineArgs.from_cli(args))
+    import logging
+
+    from cedlm.util import describe_device
+    logging.getLogger("cedlm.server").info("device: %s", describe_device(llm.device))
     llm.engine.warm_up()                     # compile before serving (logged; cached on disk)
     table = AliasTable.from_cli(args.served_model_name or default_served_name(args.model), args.alias)
     return create_app(llm, aliases=table, api_key=api_key_from_env(args.api_key),
@@ -152,13 +160,14 @@ def run(args) -> int:
         print(f"cedlm serve: error: {e}", file=sys.stderr, flush=True)
         return 2
     except ValueError as e:
-        if not str(e).startswith(("speculative", "num_draft_tokens")):
+        if not str(e).startswith(("speculative", "num_draft_tokens", "device")):
             raise
         print(f"cedlm serve: error: {e}", file=sys.stderr, flush=True)
         return 2
     table = app.state.aliases
+    from cedlm.util import describe_device
     print(f"cedlm serve: {table.served_name} (names: {', '.join(table.describe())}) on "
-          f"http://{args.host}:{args.port}/v1", flush=True)
+          f"http://{args.host}:{args.port}/v1, device {describe_device(app.state.engine.device)}", flush=True)
     from cedlm.server.header_timeout import header_timeout_protocol
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 http=header_timeout_protocol(args.header_timeout))

@@ -148,7 +148,7 @@ class GrammarProcessor:
         return m
 
     def _allowed(self, m) -> torch.Tensor:
-        allowed = torch.zeros(self.V, dtype=torch.bool)
+        allowed = torch.zeros(self.V, dtype=torch.bool, device="cpu")   # from the host bitmask
         if not m.is_error():
             bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
             n = min(self.V, bits.shape[0])
@@ -164,10 +164,10 @@ class GrammarProcessor:
         allowed = self._allowed(self._matcher(span))
         V = logits.shape[-1]
         if V != self.V:
-            full = torch.zeros(V, dtype=torch.bool)
+            full = torch.zeros(V, dtype=torch.bool, device="cpu")
             full[:min(V, self.V)] = allowed[:min(V, self.V)]
             allowed = full
-        return logits.masked_fill(~allowed.to(logits.device), NEG_INF)
+        return logits.masked_fill(~allowed.to(logits.device, non_blocking=True), NEG_INF)
 
 
 class MinTokensProcessor:
@@ -178,7 +178,8 @@ class MinTokensProcessor:
         if len(output_ids) >= self.min_tokens or not self.banned:
             return logits
         out = logits.clone()
-        out[[t for t in self.banned if t < out.shape[-1]]] = NEG_INF
+        out[torch.tensor([t for t in self.banned if t < out.shape[-1]], dtype=torch.long,
+                         device=out.device)] = NEG_INF
         return out
 
 

@@ -67,6 +67,8 @@ class ServerState:
         self.grammars = Grammars(tokenizer, self.vocab_size) if tokenizer is not None else None
         self.think_end_id = tokenizer.token_to_id(THINK_END) if tokenizer is not None else None
         self.max_model_len = engine.max_model_len
+        dev = getattr(engine, "device", None)      # where the model runs: on /v1/models' cards
+        self.device = None if dev is None else str(dev)
         self.max_prompt_tokens = min(self.max_model_len, max_prompt_tokens or self.max_model_len)
         snap = engine.snapshot()
         self.pool_tokens, self.max_num_seqs = snap.pool_tokens, snap.max_num_seqs
@@ -208,7 +210,7 @@ class ServerState:
         """allowed_token_ids that contradict the grammar from the first token on: a 400 here,
         before anything runs (a later dead end is the engine's ConstraintConflict, also a 400)."""
         import torch
-        start = torch.isfinite(proc([], torch.zeros(proc.V)))
+        start = torch.isfinite(proc([], torch.zeros(proc.V, device="cpu")))     # a host-side check
         if not any(0 <= t < proc.V and bool(start[t]) for t in allowed):
             raise APIError(400, f"allowed_token_ids: none of the allowed tokens can begin the output that "
                                 f"{grammar_param} requires", param="allowed_token_ids",

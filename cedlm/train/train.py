@@ -54,13 +54,14 @@ from cedlm.train.optim import (clip_and_step, cosine_lr, param_groups, set_lr, s
                                update_moe_bias)
 from cedlm.train.plot import plot_metrics
 from cedlm.train.runner import MetricsLog, StepLoop, TimeBudget, progress_bar, run_steps, set_threads
+from cedlm.util import describe_device, resolve_device
 
 DEFAULTS = dict(
     preset="small", config=None, arch=None, tokenizer="default", data="data/corpus", cache_dir=None,
     out="runs/train", steps=1000, batch_size=16, seq_len=256, lr=1e-3, min_lr=1e-4, warmup=100,
     weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, eval_every=100, eval_batches=8,
     save_every=500, seed=1337, bias_update_rate=1e-3, threads=None, max_minutes=None,
-    stop_at_step=None, device="cpu", progress=True, compile=None,   # None: compile_default()
+    stop_at_step=None, device=None, progress=True, compile=None,   # None: compile_default(); device auto
 )
 # Settings of this invocation only: not saved, not restored on resume.
 RUN_ONLY = ("resume", "out", "threads", "max_minutes", "stop_at_step", "device", "progress", "func",
@@ -96,7 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--max-minutes", type=float, help="stop cleanly and checkpoint after this wall time")
     a("--stop-at-step", type=int, help="stop (and checkpoint) at this step, keeping the --steps schedule")
     a("--resume", help="checkpoint or run dir to continue from")
-    a("--device", help="cpu (default) or cuda")
+    a("--device", help="auto (default: CUDA when this torch build sees a GPU, else the CPU), cpu, "
+                       "cuda or cuda:N; under torchrun on CUDA each rank takes cuda:LOCAL_RANK")
     a("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     a("--compile", type=compile_flag, metavar="on|off",
       help="torch.compile the training forward + backward (default off, or $CEDLM_TRAIN_COMPILE; "
@@ -153,15 +155,23 @@ def evaluate(model, tokens, a, rank: int, world: int, device) -> float:
 
 
 # ---------------------------------------------------------------------------- distributed
-def setup_distributed(device_kind: str):
+def train_device(spec, world: int, local_rank: int) -> torch.device:
+    """The device of this process for `--device spec` (`cedlm.util.resolve_device`: a ValueError
+    naming `device` for one this torch cannot use): on CUDA with several ranks, each rank its own
+    GPU, cuda:LOCAL_RANK."""
+    device = resolve_device(spec, "device")
+    if device.type == "cuda" and world > 1:
+        device = resolve_device(f"cuda:{local_rank}", "device")
+    return device
+
+
+def setup_distributed(device_spec):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_kind == "cuda":
-        device = torch.device("cuda", local_rank)
+    device = train_device(device_spec, world, local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return rank, world, device
@@ -276,7 +286,8 @@ def setup(given: argparse.Namespace) -> TrainRun:
         print(f"cedlm train: {model.num_parameters() / 1e6:.2f}M params "
               f"({model.num_parameters(True) / 1e6:.2f}M without Engram tables), "
               f"{len(train_tok):,} train tokens, {world} rank(s), "
-              f"{torch.get_num_threads()} threads/rank, step {run.step}/{a.steps}", file=sys.stderr)
+              f"{torch.get_num_threads()} threads/rank, step {run.step}/{a.steps}, "
+              f"device {describe_device(device)}", file=sys.stderr)
     return run
 
 
@@ -376,6 +387,12 @@ def train(given: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:                                  # before anything loads: one line, no traceback
+        train_device(args.device, int(os.environ.get("WORLD_SIZE", "1")),
+                     int(os.environ.get("LOCAL_RANK", "0")))
+    except ValueError as e:
+        print(f"cedlm train pretrain: error: {e}", file=sys.stderr)
+        return 2
     train(args)
     if dist.is_initialized():
         dist.destroy_process_group()

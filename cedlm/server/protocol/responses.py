@@ -131,6 +131,7 @@ class ModelCard(BaseModel):
     status: Literal["current", "deprecated"] = "current"
     replacement: str | None = None       # for deprecated aliases
     max_model_len: int | None = None
+    device: str | None = None            # where the model runs ("cpu", "cuda:0"), as `--device` chose
 
 
 class ModelList(BaseModel):

@@ -1,0 +1,263 @@
+"""Issue 31, the device option: `--device` / `LLM(device=...)` on serve, generate, train, eval and
+bench (auto: CUDA when available, else the CPU; checked before the model loads; printed at start),
+and the engine's own tensors (sampler, generators, speculative decoding, prompt scoring,
+constrained decoding) built on the device of what they meet: checked on the CPU under
+`implicit_device_guard()` (tests/devices.py), where a tensor created without a device lands on
+`meta` and fails at once."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cedlm.cli import main
+from cedlm.engine.sampler import Sampler, make_generator
+from cedlm.engine.sampling_params import SamplingParams
+from tests.devices import CUDA, implicit_device_guard
+
+pytestmark = pytest.mark.skipif(CUDA, reason="these check the CPU wheel's answers (no CUDA device)")
+
+TINY = ["--model", "tiny", "--random-weights"]
+
+
+def _cli(argv, capsys):
+    msg = ""
+    try:
+        rc = main(argv)
+    except SystemExit as e:          # argparse's own errors; bench's: SystemExit(message), status 1
+        rc, msg = (1, e.code + "\n") if isinstance(e.code, str) else (e.code, "")
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err + msg
+
+
+# ============================================================================ LLM(device=...)
+@pytest.mark.parametrize("device,words", [("cuda", "CUDA build of torch"), ("cuda:0", "CUDA build"),
+                                          ("tpu", "not a device"), ("mps", "not supported")])
+def test_llm_bad_device_is_a_value_error_before_loading(device, words, monkeypatch):
+    from cedlm.engine import llm as llm_mod
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the device was checked")
+    monkeypatch.setattr(llm_mod, "load", no_load)
+    with pytest.raises(ValueError, match=r"^device: ") as ei:
+        llm_mod.LLM("tiny", device=device)
+    assert words in str(ei.value)
+    if device.startswith("cuda"):
+        assert "pip install torch==" in str(ei.value)       # the install hint
+
+
+@pytest.mark.parametrize("device", [None, "auto", "cpu", torch.device("cpu")])
+def test_llm_cpu_and_auto_run_on_the_cpu(device):
+    from cedlm.engine.llm import LLM
+    llm = LLM("tiny", device=device, kv_budget_bytes=8 << 20)
+    assert llm.device == torch.device("cpu") and llm.engine.device == torch.device("cpu")
+    assert all(p.device.type == "cpu" for p in llm.model.parameters())
+
+
+def test_llm_given_a_model_keeps_it_where_it_is():
+    from cedlm.engine.llm import LLM
+    from cedlm.engine.loader import load
+    m, _ = load("tiny")
+    assert LLM(m, kv_budget_bytes=8 << 20).device == torch.device("cpu")
+    assert LLM(m, device="cpu", kv_budget_bytes=8 << 20).device == torch.device("cpu")
+
+
+# ============================================================================ the commands
+CUDA_COMMANDS = [
+    (["generate", *TINY, "--prompt", "hi", "--device", "cuda"], "cedlm generate"),
+    (["serve", "--model", "tiny", "--port", "1", "--device", "cuda"], "cedlm serve"),
+    (["train", "pretrain", "--preset", "tiny", "--steps", "1", "--device", "cuda"], "cedlm train pretrain"),
+    (["eval", "ppl", "--text", __file__, "--model", "tiny", "--device", "cuda"], "cedlm eval ppl"),
+    (["bench", "--quick", "--only", "kv_bytes", "--device", "cuda"], "cedlm bench"),
+]
+
+
+@pytest.mark.parametrize("argv,prog", CUDA_COMMANDS, ids=[p for _, p in CUDA_COMMANDS])
+def test_cuda_on_the_cpu_wheel_is_one_error_line(argv, prog, capsys):
+    rc, out, err = _cli(argv, capsys)
+    lines = err.strip().splitlines()
+    assert rc not in (0, None) and "Traceback" not in err, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"{prog}: error: device: 'cuda' needs a CUDA build of torch"), lines[0]
+    assert "--index-url https://download.pytorch.org/whl/cu" in lines[0]
+
+
+@pytest.mark.parametrize("argv,prog", [
+    (["generate", *TINY, "--prompt", "hi", "--device", "cuda:x"], "cedlm generate"),
+    (["serve", "--model", "tiny", "--port", "1", "--device", "gpu"], "cedlm serve"),
+    (["train", "pretrain", "--preset", "tiny", "--device", "metal"], "cedlm train pretrain"),
+])
+def test_not_a_device_is_one_error_line(argv, prog, capsys):
+    rc, out, err = _cli(argv, capsys)
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [f"{prog}: error: device: {argv[-1]!r} is not a device; "
+                                        f"use auto, cpu, cuda or cuda:N"]
+
+
+@pytest.mark.parametrize("flags", [[], ["--device", "cpu"], ["--device", "auto"]])
+def test_generate_reports_its_device(flags, capsys):
+    rc, out, err = _cli(["generate", *TINY, "--prompt", "hi", "--max-tokens", "2", "--threads", "1",
+                         *flags], capsys)
+    assert rc == 0, err
+    assert "cedlm generate: device cpu (1 torch threads)" in err.splitlines()
+    rc, out, err = _cli(["generate", *TINY, "--prompt", "hi", "--max-tokens", "2", "--json", *flags], capsys)
+    assert rc == 0 and json.loads(out)["stats"]["device"].startswith("cpu")
+
+
+def test_serve_reports_its_device(monkeypatch, capsys, caplog):
+    """The start-up log line and the start-up print name the device; /v1/models cards carry it."""
+    import argparse
+    import logging
+
+    import uvicorn
+    from starlette.testclient import TestClient
+
+    from cedlm.server import cli
+    p = argparse.ArgumentParser()
+    cli.add_parser(p.add_subparsers())
+    args = p.parse_args(["serve", "--model", "tiny", "--port", "1", "--kv-budget", "8M"])
+    assert args.device is None                          # auto
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    monkeypatch.delenv("CEDLM_API_KEY", raising=False)
+    with caplog.at_level(logging.INFO, logger="cedlm.server"):
+        monkeypatch.setattr(logging.getLogger("cedlm"), "propagate", True)
+        assert cli.run(args) == 0
+    out = capsys.readouterr().out
+    assert ", device cpu (" in out, out
+    assert any(r.getMessage().startswith("device: cpu") for r in caplog.records), caplog.text
+    with TestClient(apps[0]) as c:
+        cards = c.get("/v1/models").json()["data"]
+        assert cards and all(card["device"] == "cpu" for card in cards)
+        assert c.get(f"/v1/models/{cards[0]['id']}").json()["device"] == "cpu"
+
+
+def test_train_reports_its_device(tmp_path, capsys):
+    from pathlib import Path
+
+    from cedlm.data.corpus import write_documents
+    fix = Path(__file__).parent / "fixtures" / "corpus"
+    docs = [p.read_text() for p in sorted(fix.rglob("*")) if p.suffix in (".txt", ".py")]
+    assert docs
+    data = tmp_path / "corpus"
+    data.mkdir()
+    with open(data / "train.txt", "w") as f:
+        write_documents(f, docs)
+    with open(data / "val.txt", "w") as f:
+        write_documents(f, docs[:2])
+    rc = main(["train", "pretrain", "--preset", "tiny", "--data", str(data), "--out", str(tmp_path / "run"),
+               "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1",
+               "--no-progress", "--threads", "1", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    start = [l for l in err.splitlines() if l.startswith("cedlm train: ")]
+    assert start and "device cpu (" in start[0], err
+
+
+def test_train_device_per_rank():
+    from cedlm.train.train import train_device
+    assert train_device(None, 1, 0) == torch.device("cpu") == train_device("cpu", 2, 1)
+    with pytest.raises(ValueError, match="^device: 'cuda'"):
+        train_device("cuda", 2, 1)
+
+
+def test_eval_ppl_reports_its_device(tmp_path, capsys):
+    f = tmp_path / "t.txt"
+    f.write_text("The quick brown fox jumps over the lazy dog. " * 4, encoding="utf-8")
+    rc, out, err = _cli(["eval", "ppl", "--text", str(f), "--model", "tiny", "--seq-len", "16",
+                         "--device", "cpu", "--json"], capsys)
+    assert rc == 0, err
+    assert "cedlm eval ppl: device cpu (" in err and json.loads(out)["tokens"] > 0
+
+
+def test_every_engine_command_has_the_option():
+    parser = __import__("cedlm.cli", fromlist=["build_parser"]).build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    for name in ("serve", "generate", "bench"):
+        assert "--device" in sub.choices[name].format_help(), name
+    from cedlm.engine.args import EngineArgs
+    assert EngineArgs().device is None
+    with pytest.raises(ValueError, match="^device: "):
+        EngineArgs(device="cuda")
+
+
+# ============================================================================ under the guard
+def _greedy_tokens(llm, prompts, guard: bool):
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    if not guard:
+        return [o.token_ids for o in llm.generate(prompts, sp)]
+    with implicit_device_guard():
+        return [o.token_ids for o in llm.generate(prompts, sp)]
+
+
+@pytest.mark.xfail(strict=True, reason="the model's inference path still makes tensors without a device "
+                   "(attend_packed gets meta index tensors from cedlm/model: the model/cache helper's part "
+                   "of issue 31)")
+def test_engine_greedy_is_the_same_under_the_implicit_device_guard():
+    """Every tensor the engine and the model make on the way to a token names its device: with the
+    default device set to meta for the generate call alone, the same tokens come out."""
+    from cedlm.engine.llm import LLM
+    llm = LLM("tiny", device="cpu", kv_budget_bytes=8 << 20, max_num_seqs=4)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 40))]
+    ref = _greedy_tokens(llm, prompts, guard=False)
+    assert _greedy_tokens(llm, prompts, guard=True) == ref
+
+
+def _sample_all(logits, params, seeds, hist):
+    gens = [make_generator(s, logits.device) for s in seeds]
+    res = Sampler().sample(logits, params, gens, histories=hist)
+    top = [None if t is None else (t[0].tolist(), t[1].tolist()) for t in res.top_logprobs]
+    return res.token_ids.tolist(), res.logprobs.tolist(), top
+
+
+def test_sampler_under_the_guard():
+    """Greedy, seeded and unseeded random rows, top-k / top-p, penalties, logit bias, allowed ids
+    and top logprobs: the same samples with the default device on meta."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 64, generator=g)
+    params = [SamplingParams(temperature=0, logprobs=3),
+              SamplingParams(temperature=0.8, top_k=10, seed=1),
+              SamplingParams(temperature=1.0, top_p=0.7, seed=2, repetition_penalty=1.3,
+                             frequency_penalty=0.5, presence_penalty=0.2),
+              SamplingParams(temperature=0.5, seed=3, logit_bias={5: 3.0, 9: -2.0},
+                             allowed_token_ids=[1, 5, 9, 20], logprobs=2),
+              SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=4)]
+    seeds = [p.seed for p in params]
+    hist = [([1, 2], [3]), ([4], []), ([5, 6], [6, 7, 7]), ([], [5]), None]
+    ref = _sample_all(logits, params, seeds, hist)
+    with implicit_device_guard():
+        got = _sample_all(logits, params, seeds, hist)
+    assert got == ref
+    assert make_generator(None) is None and make_generator(3, torch.device("cpu")).device.type == "cpu"
+
+
+def test_speculative_pieces_under_the_guard():
+    from cedlm.engine.speculative import accept_sampled, probs
+    g = torch.Generator().manual_seed(1)
+    draft_logits, target_logits = torch.randn(3, 32, generator=g), torch.randn(4, 32, generator=g)
+    sp = SamplingParams(temperature=0.9, top_k=8, top_p=0.8, seed=5)
+
+    def run():
+        q, p = probs(draft_logits, sp), probs(target_logits, sp)
+        return q.tolist(), p.tolist(), accept_sampled([3, 4, 5], q, p, make_generator(5, q.device))
+    ref = run()
+    with implicit_device_guard():
+        assert run() == ref
+
+
+def test_prompt_scoring_and_constraints_under_the_guard():
+    from cedlm.engine.prompt_scoring import prompt_logprobs
+    from cedlm.server.constrain import MinPProcessor, MinTokensProcessor
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, 40, generator=g)
+    ids = [1, 7, 3, 9, 2, 5]
+
+    def run():
+        scored = [None if e is None else tuple(e) for e in prompt_logprobs(logits, ids, 3)]
+        row = MinTokensProcessor(4, [2, 7, 99])([1], logits[0].clone())
+        row = MinPProcessor(0.1, 1.0)([1], row)
+        return scored, row.tolist()
+    ref = run()
+    with implicit_device_guard():
+        assert run() == ref
