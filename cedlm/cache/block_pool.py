@@ -22,17 +22,22 @@ class NoFreeBlocks(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, layout: KVLayout, num_blocks: int, block_tokens: int = 64):
+    """The pool's byte tensors live on `device` (the model's: the paged rows are read and written
+    there); its bookkeeping (reference counts, free list, hashes) is host-side Python."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, block_tokens: int = 64,
+                 device: torch.device | str = "cpu"):
         layout.check_block_tokens(block_tokens)
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
         self.layout, self.num_blocks, self.block_tokens = layout, num_blocks, block_tokens
+        self.device = torch.device(device)
         self.data: dict[tuple[str, int], torch.Tensor] = {}
         self.per_block: dict[tuple[str, int], int] = {}
         for spec in layout.rows:
             n = spec.entries_per_block(block_tokens)
             self.per_block[spec.key] = n
-            self.data[spec.key] = torch.zeros(num_blocks, n, spec.width, dtype=torch.uint8)
+            self.data[spec.key] = torch.zeros(num_blocks, n, spec.width, dtype=torch.uint8, device=self.device)
         self.bytes_per_block = layout.bytes_per_block(block_tokens)
         assert self.bytes_per_block == sum(t[0].numel() for t in self.data.values())
         self.ref = [0] * num_blocks
@@ -166,12 +171,14 @@ class PagedRows:
 
     def view(self) -> torch.Tensor:
         nb = -(-self.n // self.per_block)
-        blocks = torch.tensor(self.table.blocks[:nb], dtype=torch.int64)
-        return self.pool.data[self.key][blocks].reshape(-1, self.width)[: self.n]
+        data = self.pool.data[self.key]
+        blocks = torch.tensor(self.table.blocks[:nb], dtype=torch.int64, device=data.device)
+        return data[blocks].reshape(-1, self.width)[: self.n]
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
-        blocks = torch.tensor(self.table.blocks, dtype=torch.int64)
-        return self.pool.data[self.key][blocks[idx // self.per_block], idx % self.per_block]
+        data = self.pool.data[self.key]
+        blocks = torch.tensor(self.table.blocks, dtype=torch.int64, device=data.device)
+        return data[blocks[idx // self.per_block], idx % self.per_block]
 
     def blocks(self) -> tuple[torch.Tensor, list[int]]:
         """(the pool's tensor of this row kind [num_blocks, per_block, width], this sequence's

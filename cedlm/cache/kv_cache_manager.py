@@ -52,9 +52,10 @@ def _image_spans(req) -> list[tuple[int, int, bytes]] | None:
 
 class KVCacheManager:
     def __init__(self, layout: KVLayout, num_blocks: int, block_tokens: int, *,
-                 fingerprint: bytes = b"", enable_prefix_cache: bool = True, store=None):
+                 fingerprint: bytes = b"", enable_prefix_cache: bool = True, store=None,
+                 device: torch.device | str = "cpu"):
         self.layout, self.block_tokens = layout, block_tokens
-        self.pool = BlockPool(layout, num_blocks, block_tokens)
+        self.pool = BlockPool(layout, num_blocks, block_tokens, device=device)   # bytes on the model's device
         self.fingerprint, self.enable_prefix_cache = fingerprint, enable_prefix_cache
         self.tables: dict[str, BlockTable] = {}  # request id -> the blocks it holds
         self._stored: set[str] | None = None     # keys known to be in the store
@@ -242,7 +243,7 @@ class KVCacheManager:
                 b = self.pool.allocate()
                 try:
                     for (k, s), t in self.pool.data.items():
-                        t[b] = torch.as_tensor(arrays[f"{k}.{s}"])
+                        t[b] = torch.as_tensor(arrays[f"{k}.{s}"], device=t.device)
                 except Exception as e:           # noqa: BLE001 - an unusable record is a miss
                     self.pool.release(b)
                     self._not_stored(hashes[i:])

@@ -153,11 +153,11 @@ class Attention(nn.Module):
             else:                                        # no indexer: every visible entry
                 ends = cache.entry_ends(self.src)
                 N = ends.shape[1]
-                idx = torch.arange(N).expand(B, T, N)
+                idx = torch.arange(N, device=ends.device).expand(B, T, N)
                 valid = ends.unsqueeze(1) <= pos.unsqueeze(-1)
             if dense:
                 comp_k = cache.all_kv(self.src)
-                comp_valid = torch.zeros(B, T, comp_k.shape[1], dtype=torch.bool)
+                comp_valid = torch.zeros(B, T, comp_k.shape[1], dtype=torch.bool, device=idx.device)
                 comp_valid.scatter_(-1, idx, valid)
             else:
                 comp_k, comp_valid = cache.selected_kv(self.src, idx), valid

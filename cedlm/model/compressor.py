@@ -54,14 +54,14 @@ class Compressor(nn.Module):
         kv, gate = self.project(x)
         r = self.ratio
         if r == 1:
-            return self.pool(kv, None), torch.arange(first_pos, first_pos + x.shape[0]), None
+            return self.pool(kv, None), torch.arange(first_pos, first_pos + x.shape[0], device=x.device), None
         pk, pg = pending if pending is not None else (kv[:0], gate[:0])
         assert pk.shape[0] == first_pos % r, "pending rows must match the position phase"
         kv, gate = torch.cat((pk, kv)), torch.cat((pg, gate))
         start = first_pos - pk.shape[0]                       # a group boundary
         G = kv.shape[0] // r
         lat = self.pool(kv[: G * r], gate[: G * r])
-        return lat, start + torch.arange(G) * r, (kv[G * r:], gate[G * r:])
+        return lat, start + torch.arange(G, device=x.device) * r, (kv[G * r:], gate[G * r:])
 
     def compress(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, indexer=None) -> None:
         """New rows x [B, T, D] of this pass -> the completed entries (main KV, and index keys

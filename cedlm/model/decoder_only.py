@@ -19,16 +19,16 @@ from cedlm.model.rope import Rope
 
 
 class DecoderOnlyState:
-    """BF16 K and V of every layer, grown by doubling: [L, 2, capacity, head_dim]."""
+    """BF16 K and V of every layer, grown by doubling: [L, 2, capacity, head_dim], on `device`."""
 
-    def __init__(self, cfg: ModelConfig, capacity: int = 256):
+    def __init__(self, cfg: ModelConfig, capacity: int = 256, device: torch.device | str = "cpu"):
         self.cfg, self.n = cfg, 0
-        self.kv = torch.zeros(cfg.n_layers, 2, capacity, cfg.head_dim, dtype=torch.bfloat16)
+        self.kv = torch.zeros(cfg.n_layers, 2, capacity, cfg.head_dim, dtype=torch.bfloat16, device=device)
 
     def reserve(self, n: int) -> None:
         if n > self.kv.shape[2]:
             new = torch.zeros(*self.kv.shape[:2], max(n, 2 * self.kv.shape[2]), self.kv.shape[3],
-                              dtype=self.kv.dtype)
+                              dtype=self.kv.dtype, device=self.kv.device)
             new[:, :, : self.n] = self.kv[:, :, : self.n]
             self.kv = new
 
@@ -67,7 +67,7 @@ class TwinAttention(nn.Module):
         kf, vf = k.float().expand(B, self.H, -1, -1), v.float().expand(B, self.H, -1, -1)
         if causal and state is not None and state.n > 0:
             L = kf.shape[2]
-            mask = torch.ones(T, L, dtype=torch.bool).tril(L - T)
+            mask = torch.ones(T, L, dtype=torch.bool, device=x.device).tril(L - T)
             o = F.scaled_dot_product_attention(q.float(), kf, vf, attn_mask=mask)
         else:
             o = F.scaled_dot_product_attention(q.float(), kf, vf, is_causal=causal)
@@ -100,6 +100,10 @@ class DecoderOnlyModel(nn.Module):
                 nn.init.normal_(p, std=cfg.initializer_range)
 
     @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.cfg.n_layers * self.cfg.head_dim * 2
 
@@ -111,24 +115,24 @@ class DecoderOnlyModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         B, S = input_ids.shape
-        return self._run(input_ids, torch.arange(S).expand(B, S), None)
+        return self._run(input_ids, torch.arange(S, device=input_ids.device).expand(B, S), None)
 
     def new_state(self) -> DecoderOnlyState:
-        return DecoderOnlyState(self.cfg)
+        return DecoderOnlyState(self.cfg, device=self.device)
 
     @torch.no_grad()
     def prefill(self, input_ids, state: DecoderOnlyState, mode: str = "full", chunk_size=None) -> torch.Tensor:
-        ids = torch.as_tensor(input_ids, dtype=torch.int64).flatten()[None]
+        ids = torch.as_tensor(input_ids, dtype=torch.int64, device=self.device).flatten()[None]
         T = ids.shape[1]
         state.reserve(state.n + T)
-        out = self._run(ids, torch.arange(state.n, state.n + T)[None], state)
+        out = self._run(ids, torch.arange(state.n, state.n + T, device=self.device)[None], state)
         state.n += T
         return out[0]
 
     @torch.no_grad()
     def decode(self, input_ids, states: list[DecoderOnlyState]) -> torch.Tensor:
         outs = []
-        for t, st in zip(torch.as_tensor(input_ids).flatten().tolist(), states):
+        for t, st in zip(torch.as_tensor(input_ids, device="cpu").flatten().tolist(), states):
             outs.append(self.prefill([t], st)[-1])
         return torch.stack(outs)
 

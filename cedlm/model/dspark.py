@@ -201,13 +201,14 @@ def markov_decode(model, h: torch.Tensor, base: torch.Tensor, anchors: torch.Ten
 # ---------------------------------------------------------------- inference state
 class DraftState:
     """One sequence's draft-layer window rings (bytes in the window format, `sliding_window`
-    slots per draft layer): the context rows of the positions the target has processed."""
+    slots per draft layer): the context rows of the positions the target has processed, on
+    `device` (the model's)."""
 
-    def __init__(self, layout, n_stages: int):
+    def __init__(self, layout, n_stages: int, device: torch.device | str = "cpu"):
         self.layout = layout
         W, wb = layout.window_slots, layout.window_entry_bytes
-        self.window = [torch.zeros(W, wb, dtype=torch.uint8) for _ in range(n_stages)]
-        self.window_pos = [torch.full((W,), -1, dtype=torch.int64) for _ in range(n_stages)]
+        self.window = [torch.zeros(W, wb, dtype=torch.uint8, device=device) for _ in range(n_stages)]
+        self.window_pos = [torch.full((W,), -1, dtype=torch.int64, device=device) for _ in range(n_stages)]
         self.num_ctx = 0                       # context rows exist for positions < num_ctx
 
     def write(self, rows: list[torch.Tensor], pos: torch.Tensor) -> None:
@@ -238,7 +239,8 @@ class DraftState:
 def block_ids(cfg: ModelConfig, anchors: torch.Tensor) -> torch.Tensor:
     """[B] anchors -> [B, N]: the anchor then N - 1 noise tokens."""
     N = cfg.dspark_block_size
-    ids = torch.full((anchors.shape[0], N), cfg.dspark_noise_token_id, dtype=torch.int64)
+    ids = torch.full((anchors.shape[0], N), cfg.dspark_noise_token_id, dtype=torch.int64,
+                     device=anchors.device)
     ids[:, 0] = anchors
     return ids
 
@@ -250,14 +252,14 @@ def draft_block(model, states: list[DraftState], anchors: torch.Tensor, P: torch
     cfg = model.cfg
     N, W = cfg.dspark_block_size, cfg.sliding_window
     ids = block_ids(cfg, anchors)
-    pos = P[:, None] + torch.arange(N)
+    pos = P[:, None] + torch.arange(N, device=P.device)
     ctx, kp = [], None
     for s in range(len(model.mtp)):
         ks = [st.keys(s) for st in states]
         ctx.append(torch.stack([k for k, _ in ks]))
         kp = torch.stack([p for _, p in ks])                                  # same for every s
     cvalid = window_visible(kp, P[:, None], W).unsqueeze(1).expand(-1, N, -1)
-    valid = torch.cat((cvalid, torch.ones(pos.shape[0], N, N, dtype=torch.bool)), -1)
+    valid = torch.cat((cvalid, torch.ones(pos.shape[0], N, N, dtype=torch.bool, device=P.device)), -1)
     h = blocks_forward(model, ids, pos, ctx, valid)
     return h, base_logits(model, h)
 
@@ -271,7 +273,7 @@ def window_visible(kp: torch.Tensor, P: torch.Tensor, W: int) -> torch.Tensor:
 def context_mask(anchors: torch.Tensor, S: int, W: int) -> torch.Tensor:
     """Training form of the context visibility: block rows whose block starts at anchors [B, T]
     see target positions anchor - W <= kp < anchor ([B, T, S]), whatever their row."""
-    return window_visible(torch.arange(S).view(1, 1, S), anchors.unsqueeze(-1), W)
+    return window_visible(torch.arange(S, device=anchors.device).view(1, 1, S), anchors.unsqueeze(-1), W)
 
 
 def full_forward(model, ids: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
@@ -283,11 +285,12 @@ def full_forward(model, ids: torch.Tensor, taps: torch.Tensor, anchors: torch.Te
     cfg = model.cfg
     B, S = ids.shape
     K, N, W = anchors.shape[1], cfg.dspark_block_size, cfg.sliding_window
-    ctx = context_rows(model.mtp, taps, torch.arange(S).expand(B, S))
+    dev = ids.device
+    ctx = context_rows(model.mtp, taps, torch.arange(S, device=dev).expand(B, S))
     bids = block_ids(cfg, ids.gather(1, anchors).flatten()).view(B, K * N)
     a = anchors.repeat_interleave(N, 1)                                      # [B, K*N]
-    pos = a + torch.arange(N).repeat(K)
-    blk = torch.arange(K).repeat_interleave(N)
+    pos = a + torch.arange(N, device=dev).repeat(K)
+    blk = torch.arange(K, device=dev).repeat_interleave(N)
     same = (blk[:, None] == blk[None, :]).expand(B, K * N, K * N)
     valid = torch.cat((context_mask(a, S, W), same), -1)
     return blocks_forward(model, bids, pos, ctx, valid).view(B, K, N, -1)

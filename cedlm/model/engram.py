@@ -20,20 +20,25 @@ from cedlm.config import ModelConfig
 from cedlm.config.engram_sizes import engram_primes
 
 
-class EngramHasher:
-    """Token ids (with history) -> table row indices. Pure integer arithmetic, no parameters."""
+class EngramHasher(nn.Module):
+    """Token ids (with history) -> table row indices. Pure integer arithmetic, no parameters: its
+    constants (primes, offsets, multipliers) are non-persistent buffers, so they move with the
+    model to its device and stay out of the state dict."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
         self.max_n, self.n_heads = cfg.engram_max_ngram_size, cfg.engram_n_heads
         primes = engram_primes(cfg.engram_layer_ids, cfg.engram_vocab_size, self.max_n, self.n_heads)
         flat = [p for per_n in primes[layer_id] for p in per_n]           # order: n, then head
-        self.primes = torch.tensor(flat, dtype=torch.int64)
-        self.offsets = torch.tensor([0] + list(np.cumsum(flat)[:-1]), dtype=torch.int64)
+        self.register_buffer("primes", torch.tensor(flat, dtype=torch.int64), persistent=False)
+        self.register_buffer("offsets", torch.tensor([0] + list(np.cumsum(flat)[:-1]), dtype=torch.int64),
+                             persistent=False)
         # Odd multipliers per look-back shift, seeded 10007 * layer_id, bounded so that
         # compressed_id * multiplier fits in int64 (as vLLM's deepseek_v41 engram.py does).
         rng = np.random.default_rng(10007 * layer_id)
         half = (np.iinfo(np.int64).max // cfg.engram_compressed_vocab_size) // 2
-        self.mult = torch.tensor(rng.integers(0, half, size=self.max_n) * 2 + 1, dtype=torch.int64)
+        self.register_buffer("mult", torch.tensor(rng.integers(0, half, size=self.max_n) * 2 + 1,
+                                                  dtype=torch.int64), persistent=False)
 
     def rows(self, cids: torch.Tensor, history: int, dead: torch.Tensor | None = None,
              pad_id: int = 0) -> torch.Tensor:
@@ -82,17 +87,20 @@ class Engram(nn.Module):
         """rows [B, T, buckets] -> concatenated embeddings [B, T, buckets * head_dim].
 
         The indices come from token ids alone, so the caller runs this before the layer (a
-        prefetch); with an offloaded table only the touched rows are read from the file."""
+        prefetch); with an offloaded table (host memory, the seeds' design beside a model on the
+        GPU) the rows are gathered on the host, only the touched rows are read from the file,
+        and only the gathered rows move to the model's device."""
         if self.host_table is not None:
-            flat = np.asarray(self.host_table[rows.reshape(-1).numpy()])
-            return torch.from_numpy(flat).view(*rows.shape, -1).flatten(-2)
+            flat = np.asarray(self.host_table[rows.reshape(-1).cpu().numpy()])
+            out = torch.from_numpy(flat).view(*rows.shape, -1).flatten(-2)
+            return out.to(self.wkv.weight.device, non_blocking=True)
         return self.embed(rows).flatten(-2)
 
     def offload(self, path) -> None:
         """Move the table to a memory-mapped .npy file (inference): the table then lives in the
         page cache / on disk, not in the model's parameters (its state_dict entry goes away)."""
         path = str(path)
-        np.save(path, self.embed.weight.detach().float().numpy())
+        np.save(path, self.embed.weight.detach().float().cpu().numpy())
         self.host_table = np.load(path if path.endswith(".npy") else path + ".npy", mmap_mode="r")
         del self.embed
 

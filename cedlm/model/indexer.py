@@ -48,13 +48,13 @@ def candidate_pool(score: torch.Tensor, n_visible: torch.Tensor, block: int, top
     """score [B, T, N] (-inf where invisible), n_visible [B, T] -> pool mask [B, T, N] bool."""
     B, T, N = score.shape
     nb = -(-N // block)
-    padded = torch.full((B, T, nb * block), NEG)
+    padded = torch.full((B, T, nb * block), NEG, device=score.device)
     padded[..., :N] = score
     bscore = padded.view(B, T, nb, block).amax(-1)                      # [B, T, nb]
     newest = ((n_visible - 1).clamp_min(0) // block).unsqueeze(-1)
     bscore = bscore.scatter(-1, newest, torch.where(n_visible > 0, float("inf"), NEG).unsqueeze(-1))
     ids, vals = stable_topk(bscore, min(topk_blocks, nb))
-    keep = torch.zeros(B, T, nb, dtype=torch.bool)
+    keep = torch.zeros(B, T, nb, dtype=torch.bool, device=score.device)
     keep.scatter_(-1, ids, vals > NEG)
     return keep.repeat_interleave(block, dim=-1)[..., :N]
 
@@ -154,5 +154,5 @@ class Indexer(nn.Module):
             batch.probe.record_scores(self.layer_id, raw, visible, *sel.topk[self.layer_id])
             if batch.probe.dense:                                    # warm-up: every visible entry
                 N = visible.shape[-1]
-                sel.topk[self.layer_id] = (torch.arange(N).expand(visible.shape), visible)
+                sel.topk[self.layer_id] = (torch.arange(N, device=visible.device).expand(visible.shape), visible)
         return sel.topk[self.layer_id]

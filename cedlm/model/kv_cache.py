@@ -67,23 +67,21 @@ class _Stash:
         self.stash = (kv[:, keep], pos[:, keep])
 
 
-def _ends(ratio: int, counts: list[int]) -> torch.Tensor:
-    """[B, N] position of the last token of each entry (BIG for padding)."""
+def _ends(ratio: int, counts: list[int], device: torch.device) -> torch.Tensor:
+    """[B, N] position of the last token of each entry (BIG for padding), on `device`."""
     N = max(counts) if counts else 0
-    ends = torch.arange(N, dtype=torch.int64) * ratio + (ratio - 1)
-    ends = ends.expand(len(counts), N).clone()
-    for b, n in enumerate(counts):
-        ends[b, n:] = BIG
-    return ends
+    entry = torch.arange(N, dtype=torch.int64, device=device)
+    n = torch.tensor(counts, dtype=torch.int64, device=device).view(-1, 1)
+    return torch.where(entry < n, entry * ratio + (ratio - 1), BIG)
 
 
 class TrainingKVCache(_Stash):
     """One call's rows as fp32 tensors (training forward, and the dense reference)."""
     dense = True
 
-    def __init__(self, layout: KVLayout, batch_size: int):
+    def __init__(self, layout: KVLayout, batch_size: int, device: torch.device | str = "cpu"):
         super().__init__(keep_from=0)
-        self.layout, self.B = layout, batch_size
+        self.layout, self.B, self.device = layout, batch_size, torch.device(device)
         self._ent: dict[int, dict[str, list[list[torch.Tensor]]]] = {}
         self._idx: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -123,7 +121,7 @@ class TrainingKVCache(_Stash):
         return torch.stack([torch.cat(rows) for rows in self._ent[src][kind]])   # equal lengths
 
     def entry_ends(self, src):
-        return _ends(self.layout.row("kv", src).ratio, self._counts(src))
+        return _ends(self.layout.row("kv", src).ratio, self._counts(src), self.device)
 
     def index_keys(self, src):
         if src not in self._idx:
@@ -138,7 +136,7 @@ class TrainingKVCache(_Stash):
 
     def gather_kv(self, src, idx):
         B = idx.shape[0]
-        return self.all_kv(src)[torch.arange(B)[:, None, None], idx]
+        return self.all_kv(src)[torch.arange(B, device=idx.device)[:, None, None], idx]
 
     selected_kv = gather_kv
 
@@ -153,6 +151,7 @@ class ByteKVCache(_Stash):
     def __init__(self, layout: KVLayout, states: list[SequenceState], keep_stash_from: int = 0):
         super().__init__(keep_from=keep_stash_from)
         self.layout, self.states = layout, states
+        self.device = states[0].device if states else torch.device("cpu")
         self._idx: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._idx_bytes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._kv_bytes: dict[int, torch.Tensor] = {}
@@ -184,7 +183,7 @@ class ByteKVCache(_Stash):
         ring = rings[0].unsqueeze(0) if len(rings) == 1 else torch.stack(rings)     # [B, slots, wb]
         rpos = torch.stack([st.window_pos[layer] for st in self.states])          # [B, slots]
         B, slots, wb = ring.shape
-        keys = PackedKeys(ring.view(B * slots, wb), torch.arange(B * slots).view(B, slots),
+        keys = PackedKeys(ring.view(B * slots, wb), torch.arange(B * slots, device=ring.device).view(B, slots),
                           self.layout.window_fmt, self.layout.window_dim)
         return keys, rpos
 
@@ -216,9 +215,9 @@ class ByteKVCache(_Stash):
         if self._olds is None:
             win = self.layout.window_slots
             self._olds = []
-            for b, st in enumerate(self.states):
-                k, p = st.window_before(layer, int(pos[b, 0]))
-                keep = p > int(pos[b, 0]) - win
+            for st, p0 in zip(self.states, pos[:, 0].tolist()):      # one host read per call
+                k, p = st.window_before(layer, p0)
+                keep = p > p0 - win
                 self._olds.append((k[keep], p[keep]))
         super().push_stash(layer, kv, pos)
 
@@ -230,8 +229,8 @@ class ByteKVCache(_Stash):
     def _cat_padded(olds, kv, pos):
         W = max(o[0].shape[0] for o in olds)
         B, T, hd = kv.shape
-        keys = torch.zeros(B, W + T, hd)
-        kpos = torch.full((B, W + T), -1, dtype=torch.int64)
+        keys = torch.zeros(B, W + T, hd, device=kv.device)
+        kpos = torch.full((B, W + T), -1, dtype=torch.int64, device=kv.device)
         for b, (k, p) in enumerate(olds):
             n = k.shape[0]
             keys[b, W - n: W], kpos[b, W - n: W] = k, p
@@ -263,7 +262,7 @@ class ByteKVCache(_Stash):
         """Computed once per source and call (the indexer, its index keys and the attention
         layers of a source all ask), until the source's entries change."""
         if src not in self._ends:
-            self._ends[src] = _ends(self.layout.row("kv", src).ratio, self._counts(src))
+            self._ends[src] = _ends(self.layout.row("kv", src).ratio, self._counts(src), self.device)
         return self._ends[src]
 
     def index_bytes(self, src):
@@ -295,7 +294,7 @@ class ByteKVCache(_Stash):
         for b, st in enumerate(self.states):
             rows = st.kv[src]
             raw.append(rows.gather(idx[b].clamp(0, max(rows.n - 1, 0))) if rows.n else
-                       torch.zeros(T, k, rows.width, dtype=torch.uint8))
+                       torch.zeros(T, k, rows.width, dtype=torch.uint8, device=idx.device))
         spec = self.layout.row("kv", src)
         return decode(torch.stack(raw), spec.fmt, spec.dim)
 
@@ -314,14 +313,14 @@ class ByteKVCache(_Stash):
             data, blocks = r.blocks()
             per = data.shape[1]
             i = idx[b].clamp(0, max(r.n - 1, 0))
-            table = torch.tensor(blocks if r.n else [0], dtype=torch.int64)
+            table = torch.tensor(blocks if r.n else [0], dtype=torch.int64, device=data.device)
             stores.append(data)
             ids.append(table[i // per] * per + i % per if r.n else torch.zeros_like(i))
         if all(d.data_ptr() == stores[0].data_ptr() and d.shape == stores[0].shape for d in stores):
             store, index = stores[0].view(-1, spec.width), torch.stack(ids)        # one pool
         else:                                          # separate stores: gather the bytes
             raw = torch.stack([d.view(-1, spec.width)[i] for d, i in zip(stores, ids)])
-            store, index = raw.view(-1, spec.width), torch.arange(idx.numel()).view(idx.shape)
+            store, index = raw.view(-1, spec.width), torch.arange(idx.numel(), device=raw.device).view(idx.shape)
         return PackedKeys(store, index, spec.fmt, spec.dim)
 
     def history(self, first_pos, n):
@@ -331,7 +330,7 @@ class ByteKVCache(_Stash):
 def _padded(rows: list[torch.Tensor], n: int) -> torch.Tensor:
     if len(rows) == 1 and rows[0].shape[0] == n:
         return rows[0].unsqueeze(0)
-    out = torch.zeros(len(rows), n, rows[0].shape[1], dtype=torch.uint8)
+    out = torch.zeros(len(rows), n, rows[0].shape[1], dtype=torch.uint8, device=rows[0].device)
     for b, r in enumerate(rows):
         out[b, : r.shape[0]] = r
     return out

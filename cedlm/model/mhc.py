@@ -76,7 +76,7 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
 
 def first_pre(x: torch.Tensor) -> torch.Tensor:
     """The pre of the first sub-layer: select copy 0 (the copies are equal after the embedding)."""
-    pre = torch.zeros(x.shape[:-1], dtype=torch.float32)
+    pre = torch.zeros(x.shape[:-1], dtype=torch.float32, device=x.device)
     pre[..., 0] = 1.0
     return pre
 

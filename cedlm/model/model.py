@@ -104,6 +104,12 @@ class CEDModel(nn.Module):
         width, kept by the shared router code: V4 had five role ids, V4.1 writes one. FIDELITY.md."""
         return None if self.image_token_id is None else ids == self.image_token_id
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are (the token embedding's device): inference states and
+        every tensor a call creates live there."""
+        return self.embed.weight.device
+
     @functools.cached_property
     def kv_layout(self) -> KVLayout:
         """Row kinds and byte counts of this model's caches (built on first use: a model can
@@ -125,12 +131,13 @@ class CEDModel(nn.Module):
         if not cfg.engram_layer_ids:
             return {}
         h = max(cfg.engram_max_ngram_size - 1, 0)
-        history = torch.full((ids.shape[0], h), cfg.engram_pad_token_id, dtype=torch.int64)
+        hist = [[]] * ids.shape[0]
         if h:
             starts = list(first) if first is not None else pos[:, 0].tolist()
-            for b, prev in enumerate(cache.history(starts, h)):
-                if prev:
-                    history[b, h - len(prev):] = torch.tensor(prev)
+            hist = cache.history(starts, h)
+        # the h ids before each row (host-side token ids, padded in front), one copy to the device
+        history = torch.tensor([[cfg.engram_pad_token_id] * (h - len(p)) + list(p) for p in hist],
+                               dtype=torch.int64, device=ids.device).view(ids.shape[0], h)
         full = torch.cat((history, ids), 1)
         cids = self.engram_token_map[full]
         dead = self.image_mask(full)
@@ -152,7 +159,7 @@ class CEDModel(nn.Module):
                              image_mask=self.image_mask(ids), probe=probe, first=first)
         e = self.embed(ids)
         if images is not None and self.image_token_id is not None:
-            e = splice(e, pos, images)
+            e = splice(e, pos, images, first)
         x = e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1)   # [B, T, n, D]
         pre = first_pre(x)
         ds = self.cfg.decoder_start
@@ -177,14 +184,15 @@ class CEDModel(nn.Module):
         per batch row a list of (start position, span embeddings), see `vision.encode_image`.
         probe: an `IndexerProbe` (indexer distillation, `cedlm.model.probe`) to record into."""
         B, S = input_ids.shape
-        pos = torch.arange(S).expand(B, S)
-        cache = TrainingKVCache(self.kv_layout, B)
+        pos = torch.arange(S, device=input_ids.device).expand(B, S)
+        cache = TrainingKVCache(self.kv_layout, B, input_ids.device)
         x, pre = self.encoder_pass(input_ids, pos, cache, images=images, probe=probe, first=(0,) * B)
         return self.decoder_pass(x, pre, pos, cache, ids=input_ids, probe=probe)
 
     # ---------------------------------------------------------------- inference
     def new_state(self, rows=None) -> SequenceState:
-        return SequenceState(self.kv_layout, rows)
+        """An empty inference state on the model's device (rows: a paged-rows factory)."""
+        return SequenceState(self.kv_layout, rows, device=self.device)
 
     def decoder_rows(self, n_new: int, mode: str) -> int:
         return replay_.decoder_rows(self.cfg, n_new, mode)
@@ -211,14 +219,17 @@ class CEDModel(nn.Module):
     @torch.no_grad()
     def decode(self, input_ids, states: list[SequenceState]) -> torch.Tensor:
         """One new token per sequence: input_ids [B] -> next-token logits [B, vocab]."""
-        ids = torch.as_tensor(input_ids, dtype=torch.int64).view(-1, 1)
-        if ids.shape[0] != len(states):
-            raise ValueError(f"input_ids: {ids.shape[0]} tokens for {len(states)} states")
-        pos = torch.tensor([[st.num_tokens] for st in states])
+        host = torch.as_tensor(input_ids, dtype=torch.int64, device="cpu").view(-1)   # token ids
+        if host.shape[0] != len(states):
+            raise ValueError(f"input_ids: {host.shape[0]} tokens for {len(states)} states")
+        dev = self.device
+        ids = host.to(dev).view(-1, 1)
+        first = tuple(st.num_tokens for st in states)
+        pos = torch.tensor(first, dtype=torch.int64, device=dev).view(-1, 1)
         cache = ByteKVCache(self.kv_layout, states)
-        for b, st in enumerate(states):
-            st.token_ids.append(int(ids[b, 0]))
-        x, pre = self.encoder_pass(ids, pos, cache)
+        for st, t in zip(states, host.tolist()):
+            st.token_ids.append(t)
+        x, pre = self.encoder_pass(ids, pos, cache, first=first)
         for st in states:
             st.num_tokens += 1
         return self.decoder_pass(x, pre, pos, cache, ids=ids)[:, -1]

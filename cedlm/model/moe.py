@@ -121,7 +121,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         w, ids = self.gate(x)
-        dense = torch.zeros(x.shape[0], len(self.experts))
+        dense = torch.zeros(x.shape[0], len(self.experts), device=x.device)
         dense.scatter_(1, ids, w)
         out = sum(dense[:, e:e + 1] * self.experts[e](x).float() for e in range(len(self.experts)))
         if self.shared_experts is not None:

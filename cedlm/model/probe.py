@@ -78,7 +78,7 @@ def distill_kl(probe: IndexerProbe, sparse: bool) -> tuple[torch.Tensor, dict[in
             total.append(v)
             per[l] = v.item()
     if not total:
-        return torch.zeros(()), per
+        return torch.zeros((), device=next((s.device for s in probe.scores.values()), "cpu")), per
     return torch.stack(total).mean(), per
 
 

@@ -58,13 +58,16 @@ class PrefillRun:
 
     def __init__(self, model, input_ids, state: SequenceState, mode: str = "full",
                  chunk_size: int | None = None, on_rows=None):
-        ids = torch.as_tensor(input_ids, dtype=torch.int64).flatten()
+        # the prompt stays on the host (token ids are host-side bookkeeping); each chunk moves to
+        # the model's device as it runs
+        ids = torch.as_tensor(input_ids, dtype=torch.int64, device="cpu").flatten()
         if ids.numel() == 0:
             raise ValueError("input_ids: empty prompt")
         if chunk_size is not None and chunk_size <= 0:
             raise ValueError(f"chunk_size: must be positive, got {chunk_size}")
         cfg = model.cfg
         self.model, self.ids, self.state = model, ids, state
+        self.device = model.device
         self.S, self.M = ids.numel(), decoder_rows(cfg, ids.numel(), mode)
         self.chunk = chunk_size or self.S
         self.p0, self.done_tokens = state.num_tokens, 0
@@ -91,13 +94,14 @@ class PrefillRun:
         if num_tokens is not None and num_tokens <= 0:
             raise ValueError(f"num_tokens: must be positive, got {num_tokens}")
         c0, st = self.done_tokens, self.state
-        part = self.ids[c0: c0 + (num_tokens or self.chunk)][None]
-        T = part.shape[1]
-        pos = torch.arange(st.num_tokens, st.num_tokens + T)[None]
-        st.token_ids.extend(part[0].tolist())
+        host = self.ids[c0: c0 + (num_tokens or self.chunk)]
+        T, p0 = host.shape[0], st.num_tokens
+        part = host.to(self.device, non_blocking=True)[None]
+        pos = torch.arange(p0, p0 + T, device=self.device)[None]
+        st.token_ids.extend(host.tolist())
         if self.on_rows is not None:
             return self._scored_step(part, pos)
-        x, pre = self.model.encoder_pass(part, pos, self.cache, images=[st.images])
+        x, pre = self.model.encoder_pass(part, pos, self.cache, images=[st.images], first=(p0,))
         st.num_tokens += T
         self.done_tokens = c0 + T
         keep = min(T, max(0, c0 + T - (self.S - self.M)))          # rows of this chunk in the tail
@@ -105,17 +109,19 @@ class PrefillRun:
             self.xs.append(x[:, -keep:]), self.pres.append(pre[:, -keep:])
         if self.done_tokens < self.S:
             return False
-        pos = torch.arange(self.p0 + self.S - self.M, self.p0 + self.S)[None]
+        pos = torch.arange(self.p0 + self.S - self.M, self.p0 + self.S, device=self.device)[None]
+        tail = self.ids[self.S - self.M:].to(self.device, non_blocking=True)[None]
         self.logits = self.model.decoder_pass(torch.cat(self.xs, 1), torch.cat(self.pres, 1),
-                                              pos, self.cache, ids=self.ids[self.S - self.M:][None])[0]
+                                              pos, self.cache, ids=tail)[0]
         self.xs, self.pres = [], []
         return True
 
     def _scored_step(self, part: torch.Tensor, pos: torch.Tensor) -> bool:
         """One chunk through the encoder and the decoder (prompt scoring, see the class doc)."""
         st, c0, T = self.state, self.done_tokens, part.shape[1]
-        cache = ByteKVCache(self.model.kv_layout, [st], keep_stash_from=int(pos[0, 0]))
-        x, pre = self.model.encoder_pass(part, pos, cache, images=[st.images])
+        p0 = st.num_tokens
+        cache = ByteKVCache(self.model.kv_layout, [st], keep_stash_from=p0)
+        x, pre = self.model.encoder_pass(part, pos, cache, images=[st.images], first=(p0,))
         st.num_tokens += T
         self.done_tokens = c0 + T
         logits = self.model.decoder_pass(x, pre, pos, cache, ids=part)[0]
@@ -153,8 +159,9 @@ def replay(model, state: SequenceState, mode: str = "exact") -> torch.Tensor:
     if P == 0:
         raise ValueError("replay: the state holds no tokens")
     R = min(P, replay_tokens(cfg, mode))
-    ids = torch.tensor(state.token_ids[P - R: P])[None]
-    pos = torch.arange(P - R, P)[None]
+    dev = model.device
+    ids = torch.tensor(state.token_ids[P - R: P], dtype=torch.int64, device=dev)[None]
+    pos = torch.arange(P - R, P, device=dev)[None]
     cache = ByteKVCache(model.kv_layout, [state], keep_stash_from=P - R - cfg.sliding_window + 1)
-    x, pre = model.encoder_pass(ids, pos, cache, replay=True, images=[state.images])
+    x, pre = model.encoder_pass(ids, pos, cache, replay=True, images=[state.images], first=(P - R,))
     return model.decoder_pass(x, pre, pos, cache, replay=True, ids=ids)[0, -1]

@@ -44,7 +44,7 @@ def mark(state: SequenceState, T: int) -> Mark:
     if T > W:
         raise ValueError(f"verify: {T} tokens exceed the window ({W} slots); rollback needs T <= window")
     p0 = state.num_tokens
-    slots = torch.arange(p0, p0 + T) % W
+    slots = torch.arange(p0, p0 + T, device=state.device) % W
     win = {l: (slots, state.window[l][slots].clone(), state.window_pos[l][slots].clone())
            for l in state.window}
     pend = {s: (kv.clone(), g.clone()) for s, (kv, g) in state.pending.items()}
@@ -88,16 +88,20 @@ def capture(model, taps: bool):
 def verify(model, input_ids, states: list[SequenceState], taps: bool = False):
     """Append input_ids [B, T] to the states in one call; every row runs the decoder.
     Returns (logits [B, T, vocab], Captured)."""
-    ids = torch.as_tensor(input_ids, dtype=torch.int64)
-    B, T = ids.shape
+    host = torch.as_tensor(input_ids, dtype=torch.int64, device="cpu")      # token ids (host)
+    B, T = host.shape
     if B != len(states):
         raise ValueError(f"input_ids: {B} rows for {len(states)} states")
-    pos = torch.tensor([st.num_tokens for st in states]).view(B, 1) + torch.arange(T)
+    dev = model.device
+    ids = host.to(dev, non_blocking=True)
+    first = tuple(st.num_tokens for st in states)
+    pos = (torch.tensor(first, dtype=torch.int64, device=dev).view(B, 1)
+           + torch.arange(T, device=dev))
     cache = ByteKVCache(model.kv_layout, states)
     with capture(model, taps) as cap:
-        for b, st in enumerate(states):
-            st.token_ids.extend(ids[b].tolist())
-        x, pre = model.encoder_pass(ids, pos, cache)
+        for st, row in zip(states, host.tolist()):
+            st.token_ids.extend(row)
+        x, pre = model.encoder_pass(ids, pos, cache, first=first)
         for st in states:
             st.num_tokens += T
         logits = model.decoder_pass(x, pre, pos, cache, ids=ids)

@@ -18,11 +18,12 @@ from cedlm.kernels import decode, encode
 
 
 class ByteRows:
-    """A growable [n, width] uint8 matrix (amortised doubling); `nbytes` counts used rows."""
+    """A growable [n, width] uint8 matrix (amortised doubling) on `device`; `nbytes` counts used
+    rows."""
 
-    def __init__(self, width: int, capacity: int = 16):
+    def __init__(self, width: int, capacity: int = 16, device: torch.device | str = "cpu"):
         self.width = width
-        self.buf = torch.zeros(capacity, width, dtype=torch.uint8)
+        self.buf = torch.zeros(capacity, width, dtype=torch.uint8, device=device)
         self.n = 0
 
     def append(self, rows: torch.Tensor) -> None:
@@ -35,7 +36,7 @@ class ByteRows:
         """Room for at least n rows (grows by doubling; the rows kept)."""
         if n > self.buf.shape[0]:
             cap = max(self.buf.shape[0] * 2, n)
-            new = torch.zeros(cap, self.width, dtype=torch.uint8)
+            new = torch.zeros(cap, self.width, dtype=torch.uint8, device=self.buf.device)
             new[: self.n] = self.buf[: self.n]
             self.buf = new
 
@@ -71,10 +72,13 @@ class ByteRows:
 
 class SequenceState:
     """`rows(spec)` makes the store of one row kind (a `RowSpec` of the KV layout): contiguous
-    `ByteRows` by default, or the engine's paged rows (cedlm.cache.block_pool)."""
+    `ByteRows` by default, or the engine's paged rows (cedlm.cache.block_pool, whose pool must
+    be on the same device). Every tensor of the state lives on `device` (the model's); the token
+    ids and counts are host-side Python values."""
 
-    def __init__(self, layout: KVLayout, rows=None):
+    def __init__(self, layout: KVLayout, rows=None, device: torch.device | str = "cpu"):
         self.layout = layout
+        self.device = torch.device(device)
         self.num_tokens = 0                       # positions 0..num_tokens-1 seen by the encoder
         self.token_ids: list[int] = []
         # Image spans of the prompt (vision models): (start position, embeddings [L, D]); read
@@ -83,14 +87,15 @@ class SequenceState:
         win, wb = layout.window_slots, layout.window_entry_bytes
         # One tensor of every layer's ring ([layers, slots, bytes] and [layers, slots]); the
         # per-layer rings are views of it (the compiled decode step reads and writes it whole).
-        self.window_all = torch.zeros(layout.n_layers, win, wb, dtype=torch.uint8)
-        self.window_pos_all = torch.full((layout.n_layers, win), -1, dtype=torch.int64)
+        self.window_all = torch.zeros(layout.n_layers, win, wb, dtype=torch.uint8, device=self.device)
+        self.window_pos_all = torch.full((layout.n_layers, win), -1, dtype=torch.int64, device=self.device)
         self._ring_views()
-        rows = rows or (lambda spec: ByteRows(spec.width))
+        rows = rows or (lambda spec: ByteRows(spec.width, device=self.device))
         self.kv = {spec.layer: rows(spec) for spec in layout.rows_of("kv")}
         self.index = {spec.layer: rows(spec) for spec in layout.rows_of("idx")}
         # Incomplete compressor group: fp32 [k, dim] projections and gate logits.
-        self.pending = {s: (torch.zeros(0, d), torch.zeros(0, d)) for s, _, d in layout.pending}
+        self.pending = {s: (torch.zeros(0, d, device=self.device), torch.zeros(0, d, device=self.device))
+                        for s, _, d in layout.pending}
 
     # ---------------------------------------------------------------- window ring
     def _ring_views(self) -> None:

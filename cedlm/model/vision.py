@@ -39,13 +39,14 @@ IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = range(4)
 VISION_EPS = 1e-6
 
 
-def rope_2d_angles(n_h: int, n_w: int, head_dim: int, theta: float) -> torch.Tensor:
+def rope_2d_angles(n_h: int, n_w: int, head_dim: int, theta: float,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
     """[n_h * n_w, head_dim / 2] angles of patch (i, j) (row-major): columns 0..hd/4-1 are
-    i * f_k, columns hd/4..hd/2-1 are j * f_k, with f_k = theta^(-2k / (hd/2))."""
+    i * f_k, columns hd/4..hd/2-1 are j * f_k, with f_k = theta^(-2k / (hd/2)); on `device`."""
     half = head_dim // 2
-    inv = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))   # [hd/4]
-    ii = torch.arange(n_h, dtype=torch.float32).repeat_interleave(n_w)
-    jj = torch.arange(n_w, dtype=torch.float32).repeat(n_h)
+    inv = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float32, device=device) / half))   # [hd/4]
+    ii = torch.arange(n_h, dtype=torch.float32, device=device).repeat_interleave(n_w)
+    jj = torch.arange(n_w, dtype=torch.float32, device=device).repeat(n_h)
     return torch.cat((ii[:, None] * inv, jj[:, None] * inv), dim=1)
 
 
@@ -119,7 +120,7 @@ class ViT(nn.Module):
         grid) -> [..., n_h * n_w, Dv]."""
         if patches.shape[-4] != n_h * n_w:
             raise ValueError(f"patches: {patches.shape[0]} for a {n_h}x{n_w} grid")
-        ang = rope_2d_angles(n_h, n_w, self.vc.head_dim, self.vc.rope_theta)
+        ang = rope_2d_angles(n_h, n_w, self.vc.head_dim, self.vc.rope_theta, patches.device)
         x = self.patch_embed.proj(patches.to(self.patch_embed.proj.weight.dtype).flatten(-3))
         for blk in self.blocks:
             x = blk(x, ang)
@@ -211,21 +212,22 @@ def encode_image(model: nn.Module, patches: torch.Tensor, vit_grid, llm_grid) ->
     return span_embeds(rows.float(), lh, lw, model.image_start, model.image_newline, model.image_end)
 
 
-def splice(x: torch.Tensor, pos: torch.Tensor, spans) -> torch.Tensor:
+def splice(x: torch.Tensor, pos: torch.Tensor, spans, first: tuple[int, ...] | None = None) -> torch.Tensor:
     """Replace token embeddings by image-span embeddings.
 
     x [B, T, D] embeddings of rows at positions pos [B, T] (contiguous per row); spans: per batch
-    row a list of (start position, embeds [L, D]). Rows of a span outside this pass are skipped
-    (a chunk may cut an image span)."""
+    row a list of (start position, embeds [L, D]); first: pos[:, 0] when the caller knows them
+    (no read of a device tensor). Rows of a span outside this pass are skipped (a chunk may cut
+    an image span)."""
     if not spans or not any(spans):
         return x
     x = x.clone()
     for b, row in enumerate(spans):
         if not row:
             continue
-        p0, T = int(pos[b, 0]), x.shape[1]
+        p0, T = (first[b] if first is not None else int(pos[b, 0])), x.shape[1]
         for s, emb in row:
             lo, hi = max(s, p0), min(s + emb.shape[0], p0 + T)
             if lo < hi:
-                x[b, lo - p0: hi - p0] = emb[lo - s: hi - s].to(x.dtype)
+                x[b, lo - p0: hi - p0] = emb[lo - s: hi - s].to(x.device, x.dtype)
     return x
