@@ -63,6 +63,21 @@ def test_llm_given_a_model_keeps_it_where_it_is():
     assert LLM(m, device="cpu", kv_budget_bytes=8 << 20).device == torch.device("cpu")
 
 
+def test_engram_offload_stays_in_host_ram(tmp_path):
+    """`engram_mmap`: the tables are memory-mapped host files, no parameters (a move to the device
+    leaves them on the host), and generation runs as before."""
+    import numpy as np
+
+    from cedlm.engine.llm import LLM
+    ref = LLM("tiny", device="cpu", kv_budget_bytes=8 << 20)
+    llm = LLM("tiny", device="cpu", kv_budget_bytes=8 << 20, engram_mmap=str(tmp_path))
+    tables = [m.host_table for m in llm.model.modules() if hasattr(m, "host_table")]
+    assert tables and all(isinstance(t, np.memmap) for t in tables)
+    assert not any(".engram.embed." in n for n, _ in llm.model.named_parameters())
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    assert llm.generate([[1, 2, 3]], sp)[0].token_ids == ref.generate([[1, 2, 3]], sp)[0].token_ids
+
+
 # ============================================================================ the commands
 CUDA_COMMANDS = [
     (["generate", *TINY, "--prompt", "hi", "--device", "cuda"], "cedlm generate"),

@@ -78,7 +78,8 @@ class Engine:
                                        self.block_tokens)
         self.fingerprint = model_fingerprint(model.cfg.to_dict(), model.state_dict())
         self.kv = KVCacheManager(layout, num_blocks, self.block_tokens, fingerprint=self.fingerprint,
-                                 enable_prefix_cache=self.cfg.enable_prefix_cache, store=store)
+                                 enable_prefix_cache=self.cfg.enable_prefix_cache, store=store,
+                                 device=self.device)     # the block pool's bytes beside the model
         self.max_model_len = self.cfg.max_model_len or model.cfg.max_position_embeddings
         self.scheduler = Scheduler(self.kv, num_blocks=num_blocks, block_tokens=self.block_tokens,
                                    max_num_seqs=self.cfg.max_num_seqs,

@@ -49,7 +49,11 @@ def load(model=None, tokenizer=None, seed: int = 0, device=None, engram_mmap=Non
 
 
 def model_device(model) -> torch.device:
-    """The device a model's weights live on (the CPU for a model without parameters)."""
+    """The device a model's weights live on: its own `device` (a CEDModel's token embedding), else
+    its first parameter's (the CPU for a model without parameters)."""
+    dev = getattr(model, "device", None)
+    if isinstance(dev, torch.device):
+        return dev
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
 

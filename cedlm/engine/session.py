@@ -27,20 +27,22 @@ log = logging.getLogger(__name__)
 
 
 def session_record(state: SequenceState, fingerprint: bytes) -> Record:
+    """The record of a state, its arrays on the host (the state may live on a GPU)."""
     arrays = {"token_ids": np.asarray(state.token_ids, dtype=np.int32)}
     for s, rows in state.kv.items():
-        arrays[f"kv.{s}"] = rows.view().contiguous()
+        arrays[f"kv.{s}"] = rows.view().contiguous().cpu()
     for s, rows in state.index.items():
-        arrays[f"idx.{s}"] = rows.view().contiguous()
+        arrays[f"idx.{s}"] = rows.view().contiguous().cpu()
     for s, (kv, gate) in state.pending.items():
-        arrays[f"pending_kv.{s}"] = kv.float().contiguous()
-        arrays[f"pending_gate.{s}"] = gate.float().contiguous()
+        arrays[f"pending_kv.{s}"] = kv.float().contiguous().cpu()
+        arrays[f"pending_gate.{s}"] = gate.float().contiguous().cpu()
     meta = {"fingerprint": fingerprint.hex(), "num_tokens": state.num_tokens, "kind": "session"}
     return Record(meta=meta, arrays=arrays)
 
 
 def state_from_record(model: CEDModel, rec: Record, fingerprint: bytes) -> SequenceState | None:
-    """A window-less state from a record; None when the record does not fit this model."""
+    """A window-less state from a record (on the model's device); None when the record does not
+    fit this model."""
     if rec.meta.get("fingerprint") != fingerprint.hex():
         return None
     st = model.new_state()
@@ -62,7 +64,8 @@ def state_from_record(model: CEDModel, rec: Record, fingerprint: bytes) -> Seque
                 return None
             rows.append(arr.clone())
         for s in st.pending:
-            st.pending[s] = (t[f"pending_kv.{s}"].clone(), t[f"pending_gate.{s}"].clone())
+            st.pending[s] = (t[f"pending_kv.{s}"].to(st.device, copy=True),
+                             t[f"pending_gate.{s}"].to(st.device, copy=True))
     except Exception:                                 # noqa: BLE001 - a record that does not fit: a miss
         return None
     return st

@@ -163,7 +163,7 @@ class DSparkSpeculator:
 
     # ---------------------------------------------------------------- drafter context
     def new_draft_state(self):
-        return dspark.DraftState(self.model.kv_layout, len(self.model.mtp))
+        return dspark.DraftState(self.model.kv_layout, len(self.model.mtp), device=self.device)
 
     def write_context(self, states, taps: torch.Tensor, p0: list[int], n: list[int]) -> None:
         """Draft-layer window rows for the first n[b] rows of taps [B, T, taps*D] (positions
