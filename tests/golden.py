@@ -33,7 +33,7 @@ DECISIONS = Path(__file__).resolve().parent / "fixtures" / "golden_decisions.pt"
 KEEP_ROWS = 4          # logits rows kept per case in the committed fixture (first, last, 2 inner)
 
 
-def _tiny():
+def _tiny(device="cpu"):
     from cedlm import CEDModel, ModelConfig
     cfg = ModelConfig.preset("tiny").replace(initializer_range=0.08)
     torch.manual_seed(0)
@@ -42,12 +42,12 @@ def _tiny():
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(p.to(torch.bfloat16).float())
-    return m
+    return m.to(device)
 
 
-def _small():
+def _small(device="cpu"):
     from cedlm import LLM
-    return LLM(max_num_seqs=2).model
+    return LLM(max_num_seqs=2, device=device).model
 
 
 def _clone_without_windows(model, st):
@@ -77,16 +77,16 @@ def _model_cases(name, model, out, pins=None, logs=None):
     cfg = model.cfg
     g = torch.Generator().manual_seed(11)
     S = 3 * cfg.exact_prefill_tokens // 2 + 3                 # > exact bound, odd (pending group)
-    ids = torch.randint(0, cfg.vocab_size, (S + 6,), generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (S + 6,), generator=g).to(next(model.parameters()).device)
     with torch.no_grad(), _choices(model, f"{name}/forward", pins, logs):
-        out[f"{name}/forward"] = model(ids[None])[0]
+        out[f"{name}/forward"] = model(ids[None])[0].cpu()
     for mode in ("full", "exact", "bounded"):
         with _choices(model, f"{name}/prefill_{mode}", pins, logs):
             st = model.new_state()
             rows = [model.prefill(ids[:S], st, mode, chunk_size=cfg.sliding_window + 3)[-1:]]
             for t in range(S, S + 5):
                 rows.append(model.decode(ids[t:t + 1], [st]))
-        out[f"{name}/prefill_{mode}"] = torch.cat(rows)
+        out[f"{name}/prefill_{mode}"] = torch.cat(rows).cpu()
     with _choices(model, f"{name}/replay_source", pins, logs):
         st = model.new_state()
         model.prefill(ids[:S], st, "full")
@@ -96,25 +96,26 @@ def _model_cases(name, model, out, pins=None, logs=None):
             rows = [model.replay(r, mode)[None]]
             for t in range(S, S + 3):
                 rows.append(model.decode(ids[t:t + 1], [r]))
-        out[f"{name}/replay_{mode}"] = torch.cat(rows)
+        out[f"{name}/replay_{mode}"] = torch.cat(rows).cpu()
 
 
-def _engine_cases(out, pins=None, logs=None):
+def _engine_cases(out, pins=None, logs=None, device="cpu"):
     from cedlm import LLM, SamplingParams
-    llm = LLM(max_num_seqs=4)
+    llm = LLM(max_num_seqs=4, device=device)
     with _choices(llm.model, "small/engine_greedy_ids", pins, logs):
         res = llm.generate(["It is a truth universally acknowledged", "And God said"],
                            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     out["small/engine_greedy_ids"] = torch.tensor([r.token_ids for r in res])
 
 
-def cases(pins: dict | None = None, logs: dict | None = None) -> dict[str, torch.Tensor]:
-    """Every case's output. pins: the recorded choices to replay (a `golden_decisions.pt`);
-    logs: a dict that receives each case's choices when they are not replayed."""
+def cases(pins: dict | None = None, logs: dict | None = None, device="cpu") -> dict[str, torch.Tensor]:
+    """Every case's output (on the CPU), computed on `device`. pins: the recorded choices to
+    replay (a `golden_decisions.pt`); logs: a dict that receives each case's choices when they are
+    not replayed."""
     out: dict[str, torch.Tensor] = {}
-    _model_cases("tiny", _tiny(), out, pins, logs)
-    _model_cases("small", _small(), out, pins, logs)
-    _engine_cases(out, pins, logs)
+    _model_cases("tiny", _tiny(device), out, pins, logs)
+    _model_cases("small", _small(device), out, pins, logs)
+    _engine_cases(out, pins, logs, device)
     return out
 
 

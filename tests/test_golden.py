@@ -23,6 +23,7 @@ import os
 import pytest
 import torch
 
+from tests.devices import DEVICES
 from tests.golden import FIXTURE, cases, digest, load_decisions
 from cedlm.model.decisions import agreement
 
@@ -46,16 +47,23 @@ def pins():
     return load_decisions()
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request):
+    return request.param
+
+
 @pytest.fixture(scope="module", params=["fast", "reference"])
-def now(request, pins):
-    """The cases recomputed with the recording's choices, with the inference fast paths (the
-    default) and with every reference kernel forced; the bitwise mode runs the references only."""
+def now(request, pins, device):
+    """The cases recomputed with the recording's choices, on each test device (CPU always, CUDA
+    when present: another machine's rounding, held to the same bounds), with the inference fast
+    paths (the default) and with every reference kernel forced; the bitwise mode runs the
+    references only, on the CPU."""
     from cedlm.kernels import reference_kernels_forced
     bitwise = os.environ.get("CEDLM_GOLDEN_BITWISE") == "1"
-    if bitwise and request.param == "fast":
-        pytest.skip("CEDLM_GOLDEN_BITWISE=1 compares the reference kernels' bits")
+    if bitwise and (request.param == "fast" or device != "cpu"):
+        pytest.skip("CEDLM_GOLDEN_BITWISE=1 compares the reference kernels' bits on the CPU")
     with reference_kernels_forced(request.param == "reference"):
-        return cases(pins=None if bitwise else pins)
+        return cases(pins=None if bitwise else pins, device=device)
 
 
 def test_every_case_is_recorded_and_reproduced(golden, now):
