@@ -43,7 +43,7 @@ PROFILES = {
         "capacity": {"budget_bytes": 40 * GIB, "contexts": (32768, 131072), "probe_blocks": 1024},
         "decode": {"batches": (1, 8, 64), "contexts": (512, 2048, 8192, 32768), "new_tokens": 16,
                    "repeats": 3, "cell_cap_s": 20.0, "preset": "small",
-                   "memory_cap_bytes": 24 * GIB},
+                   "memory_cap_bytes": 64 * GIB},
     },
     "cpu-smoke": {
         "exact": {"codecs": {"rows": 64}, "logits": {"presets": ("tiny",), "tokens": 24,
@@ -219,10 +219,27 @@ def assemble(out: Path, profile: str, budget_s: float | None = None,
            "finished_at": now(), "wall_s": time.time() - started if started else None,
            "budget_s": budget_s, "device": device, "env": env_block(),
            "phases": {k: phases[k] for k in sorted(phases, key=_order)},
-           "tests": tests, "figures": figures}
+           "tests": tests, "checks": checks(figures, tests), "figures": figures}
     _write(out / "gpu_check.json", res)
     (out / "gpu_check.md").write_text(report(res) + "\n")
     return res
+
+
+def checks(figures: dict, tests: dict) -> dict:
+    """The verdicts in one place (None: not measured): codec bytes identical, logits within the
+    golden bounds, the capacity ratio against the seeds' ~4x, decode cells by status, test
+    failures."""
+    def res(name):
+        return (figures.get(name) or {}).get("result") or {}
+    ex, cap, dec = res("exact"), res("capacity"), res("decode")
+    cells = [c.get("status") for r in dec.get("rows", []) for c in (r.get("ced", {}), r.get("hf", {}))]
+    return {"codecs_identical": (ex.get("codecs") or {}).get("identical"),
+            "logits_within_tolerance": (ex.get("logits") or {}).get("within_tolerance"),
+            "capacity_ratio_worst": (cap.get("target") or {}).get("measured"),
+            "capacity_ratio_met": (cap.get("target") or {}).get("met"),
+            "decode_cells": {k: cells.count(k) for k in ("measured", "skipped", "failed")},
+            "tests_failed": {k: (t["failed"] + t["errors"] if t and "failed" in t else None)
+                             for k, t in tests.items()}}
 
 
 def _order(name: str) -> int:
@@ -250,6 +267,7 @@ def report(res: dict) -> str:
              p["timeout_s"] if p["timeout_s"] is not None else "", p["reason"] or ""]
             for k, p in res["phases"].items()]
     lines += [md_table(["phase", "status", "rc", "wall s", "timeout s", "note"], body), ""]
+    lines += ["Checks: " + ", ".join(f"{k} {v}" for k, v in res["checks"].items()), ""]
     for name, t in res["tests"].items():
         if t and "error" not in t:
             lines.append(f"{name}: {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, "
