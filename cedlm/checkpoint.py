@@ -30,7 +30,7 @@ from cedlm.official import is_official_layout, load_official_model
 from cedlm.official.load import model_config_for
 from cedlm.text.engram_map import set_token_map  # noqa: F401  (re-exported: the loaders' map setter)
 from cedlm.text.tokenizer import load_tokenizer
-from cedlm.util import atomic_directory
+from cedlm.util import atomic_directory, resolve_device
 
 CHECKPOINT_NAME = "checkpoint"
 TRAINING_STATE = "training_state.pt"
@@ -94,10 +94,16 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
 
     A directory in the official DeepSeek-V4.1 layout (an index file, `quantization_config`, or
     `.scale` tensors) is read by `cedlm.official.load_official_model`: dequantised to float32,
-    checked for size first, its report on `model.official_load_report`."""
+    checked for size first, its report on `model.official_load_report`.
+
+    device: where the weights go (`cedlm.util.resolve_device`: "auto", "cpu", "cuda", "cuda:N" or
+    a torch.device; a ValueError naming `device` otherwise). The tensors are read and checked on
+    the host, then moved; Engram tables memory-mapped by the official loader stay in host memory
+    (the lookup gathers their rows there and moves only those, `cedlm.model.engram`)."""
+    dev = resolve_device(device, "device")
     ckpt = resolve_checkpoint(path)
     if is_official_layout(ckpt):
-        model, _ = load_official_model(ckpt)          # size check first; sets the Engram map itself
+        model, _ = load_official_model(ckpt, device=dev)   # size check first; sets the Engram map itself
         tokenizer = load_tokenizer(ckpt)
     else:
         tokenizer = load_tokenizer(ckpt)
@@ -108,4 +114,4 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
         model = build_model(cfg, dspark=dspark)
         model.load_state_dict(state, strict=True)
         set_token_map(model, tokenizer)
-    return model.to(device).eval(), tokenizer
+    return model.to(dev).eval(), tokenizer

@@ -332,3 +332,28 @@ def test_fake_device_decoder_only(dense_moe):
         fm.prefill(torch.zeros(6, dtype=torch.int64, device=FAKE_DEVICE), st)
         out = fm.decode([3], [st])
     assert out.device.type == FAKE_DEVICE and st.n == 7
+
+
+# ------------------------------------------------------------------------------------ loading
+def test_load_model_places_weights_on_the_device(tmp_path, tok):
+    """`load_model(path, device)`: every weight and buffer on the resolved device ("auto": CUDA
+    when present, else the CPU); a device this build cannot use is refused naming the field."""
+    from cedlm import checkpoint as ck
+    from cedlm.model import CEDModel
+    from cedlm.util import resolve_device
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny").replace(vocab_size=tok.vocab_size,
+                                             engram_compressed_vocab_size=tok.vocab_size)
+    model = CEDModel(cfg).eval()
+    ck.set_token_map(model, tok)
+    path = ck.save_checkpoint(tmp_path / "ckpt", model, tok)
+    for name in ("cpu", "auto"):
+        loaded, _ = ck.load_model(path, device=name)
+        want = resolve_device(name)
+        assert all(t.device == want for t in list(loaded.parameters()) + list(loaded.buffers()))
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    loaded, _ = ck.load_model(path, device="cpu")
+    _guarded_equals_plain(lambda: [loaded(ids), model(ids)])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device"):
+            ck.load_model(path, device="cuda")

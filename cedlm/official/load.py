@@ -211,13 +211,17 @@ def _without(cfg: ModelConfig, drop: tuple[str, ...]) -> ModelConfig:
 
 
 def load_official_model(path: str | Path, *, engram_mmap: str | Path | None = None,
-                        memory_bytes: int | None = None, meta_min_numel: int = META_MIN_NUMEL):
+                        memory_bytes: int | None = None, meta_min_numel: int = META_MIN_NUMEL,
+                        device: str | torch.device = "cpu"):
     """-> (CEDModel in eval mode, LoadReport) from an official-layout checkpoint directory.
 
     Weights are dequantised to float32 at load. `engram_mmap=DIR`: the Engram tables are
     dequantised into float32 `.npy` files there and memory-mapped (`Engram.host_table`) instead
     of held in RAM. `memory_bytes` replaces the detected available RAM (the early size check).
+    `device`: where the weights go (a torch.device or its name), each tensor moved there as it is
+    read (the host holds one at a time); memory-mapped Engram tables stay in host memory.
     """
+    device = torch.device(device)
     t0 = time.perf_counter()
     ckpt, model, entries, report = _prepare(path, memory_bytes, engram_mmap, meta_min_numel)
     mmap_dir = None if engram_mmap is None else Path(engram_mmap)
@@ -233,7 +237,7 @@ def load_official_model(path: str | Path, *, engram_mmap: str | Path | None = No
             _read_into(e, reader, out)
             if dtype != torch.float32:
                 out = out.to(dtype)
-            _assign(model, e.name, out)
+            _assign(model, e.name, out.to(device))
             ram += out.numel() * out.element_size()
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:                                         # a large tensor no checkpoint entry filled
@@ -242,6 +246,7 @@ def load_official_model(path: str | Path, *, engram_mmap: str | Path | None = No
     _release_freed_memory()
     if mmap_dir is not None:
         report.engram = f"float32 .npy files memory-mapped from {mmap_dir}"
+    model.to(device)                                 # what no entry replaced (small tensors, buffers)
     _set_token_map(model, ckpt)
     report.seconds = time.perf_counter() - t0
     model.eval()
