@@ -9,6 +9,7 @@ from cedlm.engine.sampling_params import SamplingParams
 from cedlm.engine.speculative import (DSparkSpeculator, SpeculativeConfig, accept_greedy,
                                       accept_sampled)
 from cedlm.model import CEDModel
+from tests.devices import DEVICES
 
 
 def test_accept_greedy():
@@ -62,11 +63,12 @@ def test_the_statistical_test_can_fail():
 
 
 # ---------------------------------------------------------------- engine
-@pytest.fixture(scope="module")
-def tiny():
+@pytest.fixture(scope="module", params=DEVICES)
+def tiny(request):
+    """The tiny model with a drafter, on each test device (CPU always, CUDA when present)."""
     cfg = ModelConfig.preset("tiny").replace(initializer_range=0.08)
     torch.manual_seed(0)
-    return CEDModel(cfg, dspark=True).eval()
+    return CEDModel(cfg, dspark=True).eval().to(request.param)
 
 
 def _engine(model, spec=None, max_num_seqs=4):
@@ -91,15 +93,16 @@ class OracleDrafts(DSparkSpeculator):
 
     def draft(self, reqs, runs, anchors, P):
         N, Vv = self.model.cfg.dspark_block_size, self.model.cfg.vocab_size
-        toks = torch.zeros(len(reqs), N, dtype=torch.int64)
+        dev = next(self.model.parameters()).device
+        toks = torch.zeros(len(reqs), N, dtype=torch.int64, device=dev)
         for b, r in enumerate(reqs):
             ref, n = self.ref[tuple(r.prompt_ids)], len(r.output_ids)
             for i in range(N):
                 t = ref[n + i] if n + i < len(ref) else 0
                 salt = 3 + len(r.prompt_ids) % 5
                 toks[b, i] = (t + 1) % Vv if ((n + i) * salt) % 7 < 2 else t
-        conf = torch.full((len(reqs), N), 0.8)
-        return toks, torch.zeros(len(reqs), N, Vv), conf
+        conf = torch.full((len(reqs), N), 0.8, device=dev)
+        return toks, torch.zeros(len(reqs), N, Vv, device=dev), conf
 
 
 PROMPT_LENS = (3, 26, 40)
