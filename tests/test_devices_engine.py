@@ -148,7 +148,8 @@ def test_serve_reports_its_device(monkeypatch, capsys, caplog):
         assert c.get(f"/v1/models/{cards[0]['id']}").json()["device"] == "cpu"
 
 
-def test_train_reports_its_device(tmp_path, capsys):
+def _corpus(tmp_path):
+    """A corpus dir (train.txt, val.txt) from the fixture texts."""
     from pathlib import Path
 
     from cedlm.data.corpus import write_documents
@@ -161,13 +162,46 @@ def test_train_reports_its_device(tmp_path, capsys):
         write_documents(f, docs)
     with open(data / "val.txt", "w") as f:
         write_documents(f, docs[:2])
-    rc = main(["train", "pretrain", "--preset", "tiny", "--data", str(data), "--out", str(tmp_path / "run"),
-               "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1",
-               "--no-progress", "--threads", "1", "--device", "cpu"])
+    return data
+
+
+def _train_argv(data, out, *extra):
+    return ["--preset", "tiny", "--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2",
+            "--seq-len", "16", "--eval-batches", "1", "--no-progress", "--threads", "1", *extra]
+
+
+def test_train_reports_its_device(tmp_path, capsys):
+    data = _corpus(tmp_path)
+    rc = main(["train", "pretrain", *_train_argv(data, tmp_path / "run", "--steps", "1", "--device", "cpu")])
     err = capsys.readouterr().err
     assert rc == 0, err
     start = [l for l in err.splitlines() if l.startswith("cedlm train: ")]
     assert start and "device cpu (" in start[0], err
+
+
+def test_training_steps_are_the_same_under_the_implicit_device_guard(tmp_path):
+    """Pretraining steps (batches, forward + loss, backward, clipping, AdamW, MoE balancing) and a
+    validation make every tensor on the model's device: the same losses under the guard."""
+    from cedlm.train.train import build_parser, optimisation_step, setup, validate
+    data = _corpus(tmp_path)
+
+    def steps(out, guard):
+        run = setup(build_parser().parse_args(_train_argv(data, out, "--device", "cpu")))
+        with implicit_device_guard() if guard else __import__("contextlib").nullcontext():
+            recs = [optimisation_step(run) for _ in range(2)]
+            validate(run, recs[-1])
+        return [(r["loss"], r["grad_norm"]) for r in recs], recs[-1]["val_loss"]
+    assert steps(tmp_path / "a", True) == steps(tmp_path / "b", False)
+
+
+def test_eval_ppl_is_the_same_under_the_implicit_device_guard():
+    from cedlm.engine.loader import load
+    from cedlm.eval.ppl import evaluate_ppl
+    model, tok = load("tiny", device=torch.device("cpu"))       # with the shipped 512-token BPE
+    text = "The quick brown fox jumps over the lazy dog. " * 6
+    ref = evaluate_ppl(model, tok, text, seq_len=16, batch_size=2)
+    with implicit_device_guard():
+        assert evaluate_ppl(model, tok, text, seq_len=16, batch_size=2) == ref
 
 
 def test_train_device_per_rank():
