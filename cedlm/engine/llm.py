@@ -103,9 +103,9 @@ class LLM:
         prefill_chunk, prefill_mode, replay_mode, enable_prefix_cache, max_model_len,
         speculative="dspark", speculative_threshold, num_draft_tokens, num_threads, engram_mmap,
         seed, store, device), as keywords or as `args`. `device` (default: CUDA when available,
-        else the CPU; a CEDModel instance given with no device stays where it is) holds the
-        weights, the KV cache and the sampler; the Engram tables stay in host RAM with
-        `engram_mmap`. `self.device` is where it runs."""
+        else the CPU; a CEDModel instance stays where it is, or is moved there in place when a
+        device is given) holds the weights, the KV cache and the sampler; the Engram tables stay
+        in host RAM with `engram_mmap`. `self.device` is where it runs."""
         if args is not None and options:
             raise ValueError(f"args: pass EngineArgs or keyword options, not both ({sorted(options)})")
         bad = sorted(set(options) - {f.name for f in dataclasses.fields(EngineArgs)})

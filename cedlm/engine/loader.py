@@ -37,7 +37,9 @@ def load(model=None, tokenizer=None, seed: int = 0, device=None, engram_mmap=Non
     """(CEDModel in eval mode on `device`, tokenizer). `device`: a `torch.device` (resolved by the
     caller, `cedlm.util.resolve_device`); None leaves a CEDModel instance where it is and puts a
     loaded one on the CPU. `engram_mmap`: directory to memory-map the Engram tables from."""
-    m, tok = load_any(model, tokenizer, seed)
+    # with engram_mmap: loaded on the CPU, the tables offloaded, then the rest moved; else a
+    # checkpoint is read straight onto the device (the official loader moves tensor by tensor)
+    m, tok = load_any(model, tokenizer, seed, device=None if engram_mmap is not None else device)
     if not isinstance(m, CEDModel):
         raise ConfigError("model: the decoder-only baseline (arch 'decoder_only') is a benchmark baseline; "
                           "the engine serves CED models (arch 'ced')")
@@ -58,8 +60,10 @@ def model_device(model) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def load_any(model=None, tokenizer=None, seed: int = 0):
-    """As `load`, but any architecture: the decoder-only baseline loads too (for comparisons)."""
+def load_any(model=None, tokenizer=None, seed: int = 0, device=None):
+    """As `load` (without the Engram offload), but any architecture: the decoder-only baseline
+    loads too (for comparisons). A preset is built on the CPU and then moved (the same random
+    weights on every device); a checkpoint is read onto `device` (None: the CPU)."""
     if isinstance(model, CEDModel):
         return model.eval(), tokenizer if tokenizer is not None else tokenizer_for_vocab(model.cfg.vocab_size)
     if model is None:
@@ -75,16 +79,17 @@ def load_any(model=None, tokenizer=None, seed: int = 0):
             raise ConfigError(f"model: preset {model!r} has {n:,} parameters; it is for accounting "
                               f"(cedlm plan), not for building on this machine")
         torch.manual_seed(seed)
-        m = CEDModel(cfg).eval()
+        with torch.device("cpu"):                # the seeded draw on the host, whatever the default
+            m = CEDModel(cfg).eval()
         tok = tokenizer if tokenizer is not None else tokenizer_for_vocab(cfg.vocab_size)
         if tok is not None:
             from cedlm.checkpoint import set_token_map
             set_token_map(m, tok)
-        return m, tok
+        return (m if device is None else m.to(device)), tok
     path = Path(model)
     if not path.exists():
         raise FileNotFoundError(f"model: {model!r} is neither a checkpoint directory nor a preset "
                                 f"({sorted(PRESETS)})")
     from cedlm.checkpoint import load_model
-    m, tok = load_model(path)
+    m, tok = load_model(path, device="cpu" if device is None else device)
     return m, tokenizer if tokenizer is not None else tok

@@ -40,8 +40,7 @@ def _ppl(args: argparse.Namespace) -> int:
         print(f"cedlm eval ppl: error: {e}", file=sys.stderr)
         return 2
     try:
-        model, tok, name = resolve_model(args.model)
-        model.to(device)
+        model, tok, name = resolve_model(args.model, device)
         print(f"cedlm eval ppl: device {describe_device(device)}", file=sys.stderr)
         seq_len = args.seq_len or trained_seq_len(name) or DEFAULT_SEQ_LEN
         res = evaluate_ppl(model, tok, text, seq_len=seq_len, batch_size=args.batch_size,

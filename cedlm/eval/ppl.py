@@ -22,17 +22,18 @@ import torch.nn.functional as F
 DEFAULT_SEQ_LEN = 256
 
 
-def resolve_model(spec: str | Path | None):
+def resolve_model(spec: str | Path | None, device=None):
     """--model value -> (model, tokenizer, name): a checkpoint or run directory, a preset, or
-    None for the shipped default model. The decoder-only baseline loads too (for comparisons)."""
+    None for the shipped default model, on `device` (a resolved `torch.device`; None: the CPU).
+    The decoder-only baseline loads too (for comparisons)."""
     from cedlm.config.presets import PRESETS
     from cedlm.engine.loader import DEFAULT_MODEL, load_any
     if spec is not None and str(spec) not in PRESETS:
         from cedlm.checkpoint import load_model, resolve_checkpoint
         path = resolve_checkpoint(spec)
-        model, tok = load_model(path)
+        model, tok = load_model(path, device="cpu" if device is None else device)
         return model, tok, str(path)
-    model, tok = load_any(spec)
+    model, tok = load_any(spec, device=device)
     return model, tok, str(spec or DEFAULT_MODEL)
 
 
