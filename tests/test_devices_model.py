@@ -36,10 +36,9 @@ from cedlm.config import ModelConfig
 from cedlm.kernels.gate import set_fast_backend
 
 CPU = "cpu"
-BACKENDS = ["torch", pytest.param("auto", marks=pytest.mark.xfail(
-    raises=RuntimeError, strict=False,
-    reason="cedlm/kernels/attention.py store_args creates its index with torch.arange(n) without "
-           "device= (the kernels' area); it fails under the guard when the compiled kernels run"))]
+# torch: no compiled kernel (the path a CUDA device takes); auto: the compiled CPU kernels where
+# built (needs cedlm/kernels/attention.py's store_args index made on the keys' device)
+BACKENDS = ["torch", "auto"]
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -357,3 +356,12 @@ def test_load_model_places_weights_on_the_device(tmp_path, tok):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device"):
             ck.load_model(path, device="cuda")
+
+
+def test_state_refuses_rows_on_another_device(tiny):
+    """A block pool on another device than the state's is refused when the state is made."""
+    from cedlm.cache.block_pool import BlockPool, BlockTable
+    from cedlm.model.state import SequenceState
+    pool = BlockPool(tiny.kv_layout, 4, 8, device="meta")
+    with pytest.raises(ValueError, match="rows: .*model's device"):
+        SequenceState(tiny.kv_layout, pool.rows(BlockTable(pool)), device="cpu")

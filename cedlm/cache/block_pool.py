@@ -31,7 +31,7 @@ class BlockPool:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
         self.layout, self.num_blocks, self.block_tokens = layout, num_blocks, block_tokens
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device        # "cuda" -> "cuda:N"
         self.data: dict[tuple[str, int], torch.Tensor] = {}
         self.per_block: dict[tuple[str, int], int] = {}
         for spec in layout.rows:

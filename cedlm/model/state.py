@@ -78,7 +78,7 @@ class SequenceState:
 
     def __init__(self, layout: KVLayout, rows=None, device: torch.device | str = "cpu"):
         self.layout = layout
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device      # "cuda" -> the current "cuda:N"
         self.num_tokens = 0                       # positions 0..num_tokens-1 seen by the encoder
         self.token_ids: list[int] = []
         # Image spans of the prompt (vision models): (start position, embeddings [L, D]); read
@@ -93,6 +93,10 @@ class SequenceState:
         rows = rows or (lambda spec: ByteRows(spec.width, device=self.device))
         self.kv = {spec.layer: rows(spec) for spec in layout.rows_of("kv")}
         self.index = {spec.layer: rows(spec) for spec in layout.rows_of("idx")}
+        for r in (*self.kv.values(), *self.index.values()):
+            if r.blocks()[0].device != self.device:
+                raise ValueError(f"rows: the row store is on {r.blocks()[0].device} and the state on "
+                                 f"{self.device}; a block pool must be on the model's device")
         # Incomplete compressor group: fp32 [k, dim] projections and gate logits.
         self.pending = {s: (torch.zeros(0, d, device=self.device), torch.zeros(0, d, device=self.device))
                         for s, _, d in layout.pending}
