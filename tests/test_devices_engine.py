@@ -204,6 +204,41 @@ def test_eval_ppl_is_the_same_under_the_implicit_device_guard():
         assert evaluate_ppl(model, tok, text, seq_len=16, batch_size=2) == ref
 
 
+@pytest.mark.parametrize("cmd", ["fidelity", "ablate"])
+def test_eval_fidelity_and_ablate_check_the_device_first(cmd, monkeypatch, capsys):
+    from cedlm.eval import ppl
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the device was checked")
+    monkeypatch.setattr(ppl, "resolve_model", no_load)
+    rc, out, err = _cli(["eval", cmd, "--model", "tiny", "--text", __file__, "--device", "cuda"], capsys)
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [l for l in err.strip().splitlines() if l.startswith("error: device: 'cuda'")]
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_fidelity_measurement_is_the_same_under_the_implicit_device_guard():
+    """The fidelity measurement (variant model, tail logits, a replay restore, KL / NLL / top-1,
+    retrieval items) on the model's device: the same figures under the guard."""
+    import numpy as np
+
+    from cedlm.engine.loader import load
+    from cedlm.eval.fidelity import Measurement, Setting
+    model, tok = load("tiny", device=torch.device("cpu"))
+    text = (__doc__ or "") * 8
+    tokens = np.asarray(tok.encode(text), dtype=np.int64)
+    setting = Setting("restore", {}, prefill="bounded", restore="bounded")
+
+    def run():
+        meas = Measurement(model, tok, tokens, [96], 1, [96], 1, tail=8, chunk=32)
+        r = meas.run(setting)
+        r.pop("wall_s")
+        return r
+    ref = run()
+    with implicit_device_guard():
+        assert run() == ref
+
+
 def test_train_device_per_rank():
     from cedlm.train.train import train_device
     assert train_device(None, 1, 0) == torch.device("cpu") == train_device("cpu", 2, 1)

@@ -65,7 +65,8 @@ def reference(**extra) -> Setting:
 def variant_model(base, tokenizer, setting: Setting):
     """The base model's weights under the setting's config (and indexer swap), in eval mode."""
     cfg = base.cfg.replace(**setting.overrides) if setting.overrides else base.cfg
-    m = build_model(cfg, dspark=getattr(base, "mtp", None) is not None)   # a model that ships mtp.safetensors
+    with torch.device("cpu"):       # built on the host as every loaded model is, then moved
+        m = build_model(cfg, dspark=getattr(base, "mtp", None) is not None)   # a model that ships mtp.safetensors
     state = base.state_dict()
     if setting.indexer_state is not None:
         missing = [k for k in setting.indexer_state if k not in state]
@@ -74,7 +75,8 @@ def variant_model(base, tokenizer, setting: Setting):
         state = {**state, **setting.indexer_state}
     m.load_state_dict(state, strict=True)
     set_token_map(m, tokenizer)
-    return m.eval()
+    from cedlm.engine.loader import model_device
+    return m.to(model_device(base)).eval()                 # on the base model's device
 
 
 def bytes_per_token(model) -> float:
@@ -107,6 +109,7 @@ def tail_logits(model, ids: torch.Tensor, M: int, setting: Setting, chunk: int =
 def compare(ref: torch.Tensor, out: torch.Tensor, targets: torch.Tensor) -> dict:
     """Sums over rows: kl (nats), nll of targets (setting and reference), top-1 agreements."""
     lr, lo = ref.float().log_softmax(-1), out.float().log_softmax(-1)
+    targets = targets.to(ref.device)                       # host token ids, device logits
     kl = (lr.exp() * (lr - lo)).sum(-1)
     return {"kl": kl.sum().item(), "nll": -lo.gather(-1, targets[:, None]).sum().item(),
             "ref_nll": -lr.gather(-1, targets[:, None]).sum().item(),
@@ -118,7 +121,8 @@ def text_samples(tokens: np.ndarray, length: int, n: int) -> list[torch.Tensor]:
     if len(tokens) < length:
         raise ValueError(f"text: {len(tokens)} tokens is too few for length {length}")
     starts = np.unique(np.linspace(0, len(tokens) - length, n).astype(np.int64))
-    return [torch.as_tensor(np.asarray(tokens[s: s + length], dtype=np.int64)) for s in starts]
+    return [torch.as_tensor(np.asarray(tokens[s: s + length], dtype=np.int64), device="cpu")   # host ids
+            for s in starts]
 
 
 def retrieval_samples(tokens: np.ndarray, tokenizer, length: int, n: int, seed: int = 0,
@@ -130,7 +134,7 @@ def retrieval_samples(tokens: np.ndarray, tokenizer, length: int, n: int, seed: 
     out = []
     for i, d in enumerate(depths):
         ids, n_ans = eval_sample(rng, tokens, tokenizer, length, kinds[i % len(kinds)], float(d))
-        out.append((torch.as_tensor(ids), n_ans))
+        out.append((torch.as_tensor(ids, device="cpu"), n_ans))
     return out
 
 
@@ -197,10 +201,11 @@ class Measurement:
             ok, nll, hit, n = 0, 0.0, 0, 0
             for ids, k in items:
                 logits = tail_logits(m, ids, k, setting, self.chunk)
-                right = logits.argmax(-1) == ids[-k:]
+                tgt = ids[-k:].to(logits.device)
+                right = logits.argmax(-1) == tgt
                 ok += bool(right.all())
                 hit, n = hit + int(right.sum()), n + k
-                nll -= logits.float().log_softmax(-1).gather(-1, ids[-k:, None]).sum().item()
+                nll -= logits.float().log_softmax(-1).gather(-1, tgt[:, None]).sum().item()
                 bar and bar.update(1)
             retrieval[str(L)] = ok / len(items)
             answer_nll[str(L)], answer_acc[str(L)] = nll / n, hit / n

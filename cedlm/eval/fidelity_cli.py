@@ -82,9 +82,12 @@ def _load(args):
     import torch
 
     from cedlm.eval.ppl import resolve_model
+    from cedlm.util import describe_device, resolve_device
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok, name = resolve_model(args.model)
+    device = resolve_device(args.device, "device")        # before loading: a ValueError naming it
+    model, tok, name = resolve_model(args.model, device)
+    print(f"note: device {describe_device(device)}", file=sys.stderr)
     text = Path(args.text) if args.text else Path("data/corpus/val.txt")
     if not text.exists():
         if args.text:
@@ -185,6 +188,8 @@ def _common(q: argparse.ArgumentParser) -> None:
                    help=f"retrieval item kinds, cycled through (default {','.join(KINDS)})")
     q.add_argument("--tail", type=int, help="scored tokens at the end of each text sample (default 128)")
     q.add_argument("--threads", type=int, help="torch threads")
+    q.add_argument("--device", default=None, help="auto (default: CUDA when available, else the CPU), "
+                   "cpu, cuda or cuda:N")
     q.add_argument("--seed", type=int, default=1337, help="seed of the indexer-at-initialisation build")
 
 
