@@ -8,7 +8,12 @@ copy), counts steps whose decisions differ (allowed: rarely, near-ties under ano
 order) and compares logits only where they agree. `static` runs the step's code eagerly (the
 suite's engines use it); `compiled` goes through torch.compile (inductor): one graph for batch 1
 and one for batch >= 2 of the shipped model, a few minutes of compile on this machine the first
-time (cached on disk afterwards)."""
+time (cached on disk afterwards); `cudagraph` replays the step as CUDA graphs over bucketed
+shapes (on the CPU: the same padded buffers, nothing captured).
+
+The exactness tests run over `DEVICES` (tests/devices.py): on the CPU always, on CUDA when this
+torch sees a GPU (there `cudagraph` captures and replays real graphs, `static` is the same step
+uncaptured), skipped with the reason otherwise."""
 from __future__ import annotations
 
 import copy
@@ -19,6 +24,7 @@ import torch
 from cedlm.checkpoint import load_model
 from cedlm.model.compiled_step import CompiledDecode, default_mode
 from cedlm.model.decisions import Decisions
+from tests.devices import DEVICES
 
 TOL = 1e-3   # |logit difference| (logits of std ~3): float32 rounding of two summation orders, and
              # the rare FP4/FP8 code it moves to a neighbouring value
@@ -27,6 +33,18 @@ TOL = 1e-3   # |logit difference| (logits of std ~3): float32 rounding of two su
 @pytest.fixture(scope="module")
 def shipped():
     return load_model("cedlm/assets/model")[0].eval()
+
+
+_ON: dict[str, torch.nn.Module] = {}
+
+
+def _shipped_on(device: str, shipped):
+    """The shipped model on `device` (the module's CPU copy for "cpu"; one copy per device)."""
+    if device == "cpu":
+        return shipped
+    if device not in _ON:
+        _ON[device] = load_model("cedlm/assets/model", device=device)[0].eval()
+    return _ON[device]
 
 
 def _eager_decisions(model, ids, states):
@@ -82,15 +100,16 @@ def _run(model, mode, prompts, steps, check_states=True):
     """Prefill each prompt, then `steps` decode steps; each compares one step of both paths
     from one state. Returns (steps compared, steps whose decisions differed)."""
     step = CompiledDecode(model, mode)
+    dev = step.device
     states = [model.new_state() for _ in prompts]
-    toks = [int(model.prefill(p, st)[-1].argmax()) for p, st in zip(prompts, states)]
+    toks = [int(model.prefill(p.to(dev), st)[-1].argmax()) for p, st in zip(prompts, states)]
     compared = differ = 0
     for _ in range(steps):
         ref_states = copy.deepcopy(states)
         ref, log = _eager_decisions(model, toks, ref_states)
-        args = step.inputs(torch.tensor(toks), states)
-        logits, out = step.fn(step.shape_for(states), *args)
-        step.write_back(torch.tensor(toks), states, out)
+        logits, out = step.forward(torch.tensor(toks), states)
+        assert step.mode == mode                        # no fallback (a failed compile or capture)
+        step.write_back(toks, states, out)
         compared += 1
         if not _agree(model, log, out):
             differ += 1
@@ -109,38 +128,54 @@ def _prompts(n, lengths, seed=0):
     return [torch.randint(5, 4000, (L,), generator=g) for L in lengths][:n]
 
 
-def test_static_step_matches_reference_across_boundaries(shipped):
+STEP_MODES = pytest.mark.parametrize("mode", ["static", "cudagraph"])
+ON_DEVICES = pytest.mark.parametrize("device", DEVICES)
+
+
+@ON_DEVICES
+@STEP_MODES
+def test_static_step_matches_reference_across_boundaries(shipped, device, mode):
     """Batch 1 from a 61-token prompt through 70 steps: the window ring wraps (64 slots), ratio-2
-    groups complete every other token, paged-size boundaries of the contiguous rows are crossed."""
-    compared, differ = _run(shipped, "static", _prompts(1, [61]), 70)
+    groups complete every other token, paged-size boundaries of the contiguous rows are crossed
+    (cudagraph: the contiguous buffer doubles, a graph per buffer)."""
+    compared, differ = _run(_shipped_on(device, shipped), mode, _prompts(1, [61]), 70)
     assert differ <= 2, f"{differ} of {compared} steps chose differently"
 
 
-def test_static_step_batched_uneven_lengths(shipped):
+@ON_DEVICES
+@STEP_MODES
+def test_static_step_batched_uneven_lengths(shipped, device, mode):
     """Three sequences of different lengths (different phases, entry counts, ring fill) at once:
-    the contiguous rows of several sequences go through one padded pool."""
-    compared, differ = _run(shipped, "static", _prompts(3, [5, 40, 130], seed=1), 12)
+    the contiguous rows of several sequences go through one padded pool (cudagraph: batch 3 in
+    the bucket of 4, a dummy row)."""
+    compared, differ = _run(_shipped_on(device, shipped), mode, _prompts(3, [5, 40, 130], seed=1), 12)
     assert differ <= 1
 
 
+@ON_DEVICES
+@STEP_MODES
 @torch.no_grad()
-def test_static_step_paged_rows_match_contiguous(shipped):
-    """The engine's paged rows (one pool, block tables) give the same logits as contiguous rows."""
+def test_static_step_paged_rows_match_contiguous(shipped, device, mode):
+    """The engine's paged rows (one pool, block tables) give the same logits as contiguous rows:
+    bit for bit in the static step; within float rounding through the graphs' buckets (the two
+    layouts pad the table to other widths, more masked slots in one of them)."""
     from cedlm.cache.block_pool import BlockPool, BlockTable
-    pool = BlockPool(shipped.kv_layout, 64, 64)
-    prompts = _prompts(2, [70, 150], seed=2)
-    paged = [shipped.new_state(pool.rows(BlockTable(pool))) for _ in prompts]
-    flat = [shipped.new_state() for _ in prompts]
-    step = CompiledDecode(shipped, "static")
+    model = _shipped_on(device, shipped)
+    pool = BlockPool(model.kv_layout, 64, 64, device=model.device)
+    prompts = [p.to(device) for p in _prompts(2, [70, 150], seed=2)]
+    paged = [model.new_state(pool.rows(BlockTable(pool))) for _ in prompts]
+    flat = [model.new_state() for _ in prompts]
+    step = CompiledDecode(model, mode)
     toks = []
     for p, a, b in zip(prompts, paged, flat):
-        toks.append(int(shipped.prefill(p, a)[-1].argmax()))
-        shipped.prefill(p, b)
+        toks.append(int(model.prefill(p, a)[-1].argmax()))
+        model.prefill(p, b)
     for _ in range(6):
         la = step(toks, paged)
         lb = step(toks, flat)
-        assert (la - lb).abs().max().item() == 0.0
+        assert (la - lb).abs().max().item() <= (0.0 if mode == "static" and device == "cpu" else TOL)
         toks = la.argmax(-1).tolist()
+    assert step.mode == mode and step.fallbacks == 0
 
 
 def test_fallbacks_and_modes(shipped, monkeypatch):
@@ -152,6 +187,18 @@ def test_fallbacks_and_modes(shipped, monkeypatch):
     finally:
         rec.detach()
     assert CompiledDecode(shipped, "eager").why_not() == "decode_step is eager"
+    graphs = CompiledDecode(shipped, "cudagraph")     # on the CPU: its buffers, no capture
+    st = shipped.new_state()
+    shipped.prefill(torch.arange(5, 30), st)
+    rec = Decisions.record(shipped)
+    try:
+        assert "decisions" in graphs.why_not()
+        graphs([7], [st])                              # the reference decode runs
+    finally:
+        rec.detach()
+    assert graphs.fallbacks == 1 and graphs.calls == 0 and not graphs.graphs.graphs
+    graphs([8], [st])
+    assert graphs.calls == 1 and len(graphs.graphs.graphs) == 1 and st.num_tokens == 27
     with pytest.raises(ValueError, match="decode_step"):
         CompiledDecode(shipped, "fast")
     monkeypatch.setenv("CEDLM_DECODE_STEP", "bogus")
@@ -170,26 +217,31 @@ def test_engine_args_decode_step():
 
 
 @pytest.mark.compiled
-def test_compiled_step_matches_reference(shipped):
-    """The step through torch.compile (inductor): batch 1, then batch 3 (the graph for >= 2)."""
-    compared, differ = _run(shipped, "compiled", _prompts(1, [61]), 8)
+@ON_DEVICES
+def test_compiled_step_matches_reference(shipped, device):
+    """The step through torch.compile (inductor; Triton on CUDA): batch 1, then batch 3 (the
+    graph for >= 2)."""
+    model = _shipped_on(device, shipped)
+    compared, differ = _run(model, "compiled", _prompts(1, [61]), 8)
     assert differ <= 1
-    compared, differ = _run(shipped, "compiled", _prompts(3, [5, 40, 130], seed=1), 5)
+    compared, differ = _run(model, "compiled", _prompts(3, [5, 40, 130], seed=1), 5)
     assert differ <= 1
 
 
+@ON_DEVICES
+@STEP_MODES
 @torch.no_grad()
-def test_static_step_incremental_equals_full_forward():
+def test_static_step_incremental_equals_full_forward(device, mode):
     """Another config (the `tiny` preset: other widths, roles and ratios): prefill one token,
     then every later token through the static step; the logits equal the full causal forward's."""
     from cedlm import CEDModel, ModelConfig
     cfg = ModelConfig.preset("tiny").replace(initializer_range=0.08)
     torch.manual_seed(0)
-    tiny = CEDModel(cfg).eval()
+    tiny = CEDModel(cfg).eval().to(device)
     S = 6 * cfg.sliding_window
-    ids = torch.randint(0, cfg.vocab_size, (S,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, cfg.vocab_size, (S,), generator=torch.Generator().manual_seed(1)).to(device)
     full = tiny(ids[None])[0]
-    step = CompiledDecode(tiny, "static")
+    step = CompiledDecode(tiny, mode)
     st = tiny.new_state()
     out = [tiny.prefill(ids[:1], st, "full")[-1:]]
     for t in range(1, S - 1):
@@ -218,6 +270,30 @@ def test_compile_failure_falls_back_to_the_uncompiled_step(shipped, caplog):
         logits = step([t], [st])
     assert step.mode == "static" and not step.compile
     assert "torch.compile failed (RuntimeError: InvalidCxxCompiler: No working C++ compiler found)" in caplog.text
+    assert (logits - shipped.decode([t], [ref])).abs().max().item() < TOL
+    assert st.num_tokens == ref.num_tokens
+
+
+@torch.no_grad()
+def test_capture_failure_falls_back_to_the_uncompiled_step(shipped, caplog):
+    """A CUDA graph capture that fails (a kernel that synchronises, no memory): one warning line,
+    and the same step runs uncaptured from then on."""
+    step = CompiledDecode(shipped, "cudagraph")
+
+    class Broken:
+        capture, capture_s = True, {}
+
+        def __call__(self, *a):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    step.graphs = Broken()
+    st, ref = shipped.new_state(), shipped.new_state()
+    prompt = torch.arange(5, 40)
+    t = int(shipped.prefill(prompt, st)[-1].argmax())
+    shipped.prefill(prompt, ref)
+    with caplog.at_level("WARNING"):
+        logits = step([t], [st])
+    assert step.mode == "static" and step.graphs is None
+    assert "CUDA graph capture failed (RuntimeError: CUDA error: operation not permitted" in caplog.text
     assert (logits - shipped.decode([t], [ref])).abs().max().item() < TOL
     assert st.num_tokens == ref.num_tokens
 

@@ -15,8 +15,13 @@ The step runs where it is exact to the reference within float rounding and falls
 `model.decode` otherwise (`why_not`): decisions being recorded or replayed (a test pins them),
 an offloaded Engram table (read with numpy), a dense-reference config (index_topk covering every
 position), training mode. Modes (`decode_step` of the engine args, `CEDLM_DECODE_STEP`):
-"compiled" (default), "static" (the same static step without the compiler) and "eager"
-(`model.decode`); `CEDLM_REFERENCE_KERNELS=1` means "eager".
+"compiled" (the default on the CPU), "cudagraph" (the default on CUDA: the static step captured
+as CUDA graphs over bucketed shapes, `step_graph.py`), "static" (the same static step without the
+compiler) and "eager" (`model.decode`); `CEDLM_REFERENCE_KERNELS=1` means "eager".
+
+Devices: the host builds the step's inputs on the model's device (block tables, positions and
+counts from Python ints on the CPU, moved once; padded pools and pending rows made there) and
+writes the outputs back to the sequence state on whatever device it lives.
 """
 from __future__ import annotations
 
@@ -30,20 +35,23 @@ import torch
 
 from cedlm.model import step as step_
 from cedlm.model.state import ByteRows, SequenceState
+from cedlm.model.step_graph import StepGraphs
 
 ENV_VAR = "CEDLM_DECODE_STEP"
 # (cedlm/__init__.py points TORCHINDUCTOR_CACHE_DIR at ~/.cache/cedlm/inductor: a second start
 # of the same model loads the compiled graphs instead of compiling them)
-MODES = ("compiled", "static", "eager")
+MODES = ("compiled", "cudagraph", "static", "eager")
 
 
-def default_mode() -> str:
-    """"compiled" unless CEDLM_DECODE_STEP names another mode, or the reference kernels are forced
-    (CEDLM_REFERENCE_KERNELS=1 turns every fast path off: "eager")."""
+def default_mode(device=None) -> str:
+    """The mode CEDLM_DECODE_STEP names, else "cudagraph" for a model on CUDA (`device`) and
+    "compiled" otherwise; "eager" when the reference kernels are forced (CEDLM_REFERENCE_KERNELS=1
+    turns every fast path off)."""
     from cedlm.kernels import reference_kernels
     if reference_kernels():
         return "eager"
-    v = os.environ.get(ENV_VAR, "").strip().lower() or "compiled"
+    auto = "cudagraph" if device is not None and torch.device(device).type == "cuda" else "compiled"
+    v = os.environ.get(ENV_VAR, "").strip().lower() or auto
     if v not in MODES:
         raise ValueError(f"{ENV_VAR}: {v!r} is not one of {MODES}")
     return v
@@ -64,16 +72,26 @@ def _own_copy(fn):
 class CompiledDecode:
     """`model.decode` as one compiled call per step (see the module docstring).
 
-    mode: "compiled" (the static step through torch.compile / inductor), "static" (the same
-    static step run eagerly: its logic without the compiler, what most tests exercise), "eager"
-    (`model.decode` itself, the reference). None: `default_mode()`."""
+    mode: "compiled" (the static step through torch.compile / inductor), "cudagraph" (the static
+    step replayed as CUDA graphs, `step_graph.StepGraphs`; on the CPU its bucketed buffers without
+    the capture), "static" (the same static step run eagerly: its logic without the compiler,
+    what most tests exercise), "eager" (`model.decode` itself, the reference). None:
+    `default_mode(the model's device)`."""
 
     def __init__(self, model, mode: str | None = None, log=None):
         self.model = model
-        self.mode = default_mode() if mode is None else mode
+        self.device = model.device                    # where the step runs, its inputs are built
+        self.mode = default_mode(self.device) if mode is None else mode
         if self.mode not in MODES:
             raise ValueError(f"decode_step: {self.mode!r} is not one of {MODES}")
         self.compile = self.mode == "compiled"
+        self.graphs = None
+        if self.mode == "cudagraph":
+            self.graphs = StepGraphs(step_.decode_step, capture=self.device.type == "cuda")
+            if self.device.type != "cuda":
+                logging.getLogger(__name__).warning(
+                    "decode_step cudagraph: the model is on %s, not CUDA; the step runs through "
+                    "the graphs' bucketed buffers without capturing a graph", self.device)
         self.shapes = step_.StepShapes(model)
         self._shapes: dict[bool, step_.StepShapes] = {}
         if self.mode != "eager":
@@ -101,11 +119,12 @@ class CompiledDecode:
         """The model's step for `mode` (None: `default_mode()`), made once per model and mode:
         engines built one after another on the same model share its compiled graphs (a new
         object would trace and load them again, about 20 s)."""
-        mode = default_mode() if mode is None else mode
+        mode = default_mode(model.device) if mode is None else mode
         steps = _STEPS.setdefault(model, {})
-        if mode not in steps:
-            steps[mode] = cls(model, mode, log=log)
-        return steps[mode]
+        key = (mode, str(model.device))           # a model moved to another device: new graphs
+        if key not in steps:
+            steps[key] = cls(model, mode, log=log)
+        return steps[key]
 
     # ---------------------------------------------------------------- eligibility
     def why_not(self) -> str | None:
@@ -137,17 +156,32 @@ class CompiledDecode:
                 logging.getLogger(__name__).info("decode step: the reference CEDModel.decode "
                                                  "runs while %s", why)
             return self.model.decode(input_ids, states)
-        ids = torch.as_tensor(input_ids, dtype=torch.int64).view(-1)
-        if ids.shape[0] != len(states):
-            raise ValueError(f"input_ids: {ids.shape[0]} tokens for {len(states)} states")
+        toks = (input_ids.flatten().tolist() if isinstance(input_ids, torch.Tensor)
+                else [int(t) for t in input_ids])             # the host's ids (one read, if any)
+        if len(toks) != len(states):
+            raise ValueError(f"input_ids: {len(toks)} tokens for {len(states)} states")
+        ids = torch.tensor(toks, dtype=torch.int64, device="cpu")
+        logits, out = self.forward(ids, states, paged)
+        self.calls += 1
+        self.write_back(toks, states, out)
+        return logits
+
+    def forward(self, ids: torch.Tensor, states: list[SequenceState], paged: bool | None = None):
+        """(logits [B, vocab], out) of the step for these states (see `step.decode_step`), nothing
+        written back: the static step compiled, replayed as a CUDA graph or called, by mode. A
+        compiler or a capture that fails logs one warning and the static step runs uncompiled from
+        then on (nothing was written yet)."""
         shapes = self.shape_for(states, paged)
-        args = self.inputs(ids, states)
+        args, copied = self._inputs(ids, states)
         t0 = time.perf_counter()
         try:
-            logits, out = self.fn(shapes, *args)
-        except Exception as e:               # no compiler, no Python headers, an inductor bug:
-            if not self.compile:             # the same step uncompiled (nothing was written yet)
-                raise
+            if self.graphs is not None:
+                logits, out = self.graphs(shapes, args, copied)
+            else:
+                logits, out = self.fn(shapes, *args)
+        except Exception as e:               # no compiler, no Python headers, an inductor bug,
+            if not self.compile and not (self.graphs is not None and self.graphs.capture):
+                raise                        # a failed capture: the same step uncompiled
             self._give_up_compiling(e)
             logits, out = self.fn(shapes, *args)
         graph = "1" if len(states) == 1 else ">= 2"
@@ -157,25 +191,31 @@ class CompiledDecode:
             if self.log:
                 self.log(f"decode step compiled for batch {graph} in {self.compile_s[graph]:.1f} s "
                          f"(inductor; cached on disk for the next start)")
-        self.calls += 1
-        self.write_back(ids, states, out)
-        return logits
+        for label, sec in (self.graphs.capture_s.items() if self.graphs is not None else ()):
+            if label not in self.compile_s:
+                self.compile_s[label] = sec
+                if self.log:
+                    self.log(f"decode step captured ({label}) in {sec:.2f} s")
+        return logits, out
 
     def _give_up_compiling(self, e: Exception) -> None:
         why = (str(e).strip().splitlines() or [""])[0][:200]
+        what = "CUDA graph capture" if self.graphs is not None else "torch.compile"
         logging.getLogger(__name__).warning(
-            "decode step: torch.compile failed (%s: %s); running the step uncompiled "
-            "(--decode-step static)", type(e).__name__, why)
-        self.compile, self.mode, self.fn = False, "static", step_.decode_step
+            "decode step: %s failed (%s: %s); running the step uncompiled "
+            "(--decode-step static)", what, type(e).__name__, why)
+        self.compile, self.mode, self.fn, self.graphs = False, "static", step_.decode_step, None
 
     @torch.no_grad()
     def warm_up(self, batch_sizes: tuple[int, ...] = (1, 2), rows=None) -> dict[str, float]:
-        """Compile the engine's graphs (batch 1 and batch >= 2, rows read through a block table)
-        on scratch states before the first request, so that no request waits for the compiler;
-        returns {graph: seconds} (nothing when not compiling). rows: the `SequenceState` rows
+        """Compile the engine's graphs (batch 1 and batch >= 2, rows read through a block table;
+        cudagraph: capture the buckets of `batch_sizes` at a short context) on scratch states
+        before the first request, so that no request waits for the compiler; returns {graph:
+        seconds} (nothing when neither compiling nor capturing). rows: the `SequenceState` rows
         factory of the engine's block pool (`Engine.warm_up` passes it and frees the blocks), so
         the scratch states have the pool's shapes; without it, contiguous rows."""
-        if not self.compile or self.why_not() is not None:
+        capturing = self.graphs is not None and self.graphs.capture
+        if not (self.compile or capturing) or self.why_not() is not None:
             return {}
         for B in batch_sizes:
             states = [self.model.new_state(None if rows is None else rows()) for _ in range(B)]
@@ -196,16 +236,22 @@ class CompiledDecode:
         return self._shapes[flat]
 
     def inputs(self, ids: torch.Tensor, states: list[SequenceState]):
-        """The step's tensors (see `step.decode_step`)."""
-        cfg = self.model.cfg
+        """The step's tensors (see `step.decode_step`), on the model's device."""
+        return self._inputs(ids, states)[0]
+
+    def _inputs(self, ids: torch.Tensor, states: list[SequenceState]):
+        """(the step's tensors, whether the pools are copies made for this call)."""
+        cfg, dev = self.model.cfg, self.device
         B = len(states)
-        pos = torch.tensor([st.num_tokens for st in states], dtype=torch.int64)
+        ids = ids.to(dev, non_blocking=True)
+        pos = torch.tensor([st.num_tokens for st in states], dtype=torch.int64, device="cpu")
         h = max(cfg.engram_max_ngram_size - 1, 0) if cfg.engram_layer_ids else 0
-        hist = torch.full((B, h), cfg.engram_pad_token_id, dtype=torch.int64)
+        hist = [[cfg.engram_pad_token_id] * h for _ in states]
         for b, st in enumerate(states):
             prev = st.token_ids[max(0, st.num_tokens - h): st.num_tokens] if h else []
             if prev:
-                hist[b, h - len(prev):] = torch.tensor(prev, dtype=torch.int64)
+                hist[b][h - len(prev):] = prev
+        hist = torch.tensor(hist, dtype=torch.int64, device="cpu").view(B, h)
         if B == 1:
             rings, ring_pos = states[0].window_all.unsqueeze(1), states[0].window_pos_all.unsqueeze(1)
         else:
@@ -215,47 +261,53 @@ class CompiledDecode:
             st = states[0]                   # the entry this token may complete needs a row,
             for rows in (*st.kv.values(), *st.index.values()):    # and the top-k a full k
                 rows.reserve(max(rows.n + 1, self.model.cfg.index_topk))
-        pools, table = self._pools(states)
-        counts = {s: torch.tensor([st.kv[s].n for st in states], dtype=torch.int64)
+        pools, table, copied = self._pools(states)
+        counts = {s: torch.tensor([st.kv[s].n for st in states], dtype=torch.int64, device="cpu")
                   for s in self.shapes.sources}
         pending = {}
         for s, r in self.shapes.ratio.items():
             if r > 1:
                 d = states[0].pending[s][0].shape[1]
-                pk, pg = torch.zeros(B, r - 1, d), torch.zeros(B, r - 1, d)
+                pk, pg = torch.zeros(B, r - 1, d, device=dev), torch.zeros(B, r - 1, d, device=dev)
                 for b, st in enumerate(states):
                     k, g = st.pending[s]
                     pk[b, : k.shape[0]], pg[b, : g.shape[0]] = k, g
                 pending[s] = (pk, pg)
+        # host-built integers and the windows to the model's device (no-ops on the CPU)
+        pos, hist, rings, ring_pos = (t.to(dev, non_blocking=True) for t in (pos, hist, rings, ring_pos))
+        counts = {s: c.to(dev, non_blocking=True) for s, c in counts.items()}
         if self.compile and B > 1:           # one graph for every batch size >= 2
             for t, d in ((ids, 0), (pos, 0), (hist, 0), (rings, 1), (ring_pos, 1), (table, 0),
                          *((c, 0) for c in counts.values()), *((x, 0) for p in pending.values() for x in p)):
                 torch._dynamo.mark_dynamic(t, d)
-        return ids, pos, hist, rings, ring_pos, pools, table, counts, pending
+        return (ids, pos, hist, rings, ring_pos, pools, table, counts, pending), copied
 
     def _pools(self, states):
-        """Each row kind's pool and one block table for the batch (spare column at the end):
-        paged rows of one pool as they are; one sequence's contiguous rows as a one-block pool;
-        contiguous rows of several sequences copied into one padded pool."""
+        """Each row kind's pool and one block table for the batch (spare column at the end), and
+        whether the pools are copies made for this call: paged rows of one pool as they are; one
+        sequence's contiguous rows as a one-block pool; contiguous rows of several sequences
+        copied into one padded pool (and rows kept on another device than the model's copied
+        there)."""
         kinds = [("kv", s) for s in self.shapes.sources] + [("idx", s) for s in sorted(self.shapes.key_sources)]
 
         def rows(st, k):
             return (st.kv if k[0] == "kv" else st.index)[k[1]]
 
+        dev = self.device
         first = {k: rows(states[0], k).blocks()[0] for k in kinds}
         shared = all(rows(st, k).blocks()[0].data_ptr() == first[k].data_ptr()
                      for st in states[1:] for k in kinds)
         if shared:
-            pools = first
+            copied = any(p.device != dev for p in first.values())
+            pools = {k: p.to(dev) for k, p in first.items()}
             tables = [rows(st, kinds[0]).blocks()[1] for st in states]
             pad = [0] * len(states)
         else:
-            pools = {}
+            copied, pools = True, {}
             for k in kinds:
                 bufs = [rows(st, k).blocks()[0][0] for st in states]
                 cap = max(max(b.shape[0] for b in bufs), self.model.cfg.index_topk)
-                pool = torch.zeros(len(bufs), cap, bufs[0].shape[1],
-                                   dtype=torch.uint8)
+                pool = torch.zeros(len(bufs), cap, bufs[0].shape[1], dtype=torch.uint8, device=dev)
                 for b, buf in enumerate(bufs):
                     pool[b, : buf.shape[0]] = buf
                 pools[k] = pool
@@ -267,19 +319,23 @@ class CompiledDecode:
         per = min(p.shape[1] for p in pools.values())
         nb = max(max(len(t) for t in tables) + 1, -(-self.model.cfg.index_topk // per))
         table = torch.tensor([list(t) + [pad[b]] * (nb - len(t)) for b, t in enumerate(tables)],
-                             dtype=torch.int64)
+                             dtype=torch.int64, device="cpu").to(dev, non_blocking=True)
         if self.compile:                     # one graph for every context length
             torch._dynamo.mark_dynamic(table, 1)
             for p in pools.values():
                 torch._dynamo.mark_dynamic(p, 0)
                 torch._dynamo.mark_dynamic(p, 1)
-        return pools, table
+        return pools, table, copied
 
-    def write_back(self, ids: torch.Tensor, states: list[SequenceState], out: dict) -> None:
+    def write_back(self, ids, states: list[SequenceState], out: dict) -> None:
+        """Put what the step returns into the states (on whatever device each lives): one window
+        row per layer, the entries a completed group made, the pending rows, the token (`ids`:
+        the token ids, a list or a host tensor)."""
         win = out["window"]                                           # [L, B, wb]
         S = states[0].window_all.shape[1]
+        toks = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         for b, st in enumerate(states):
-            p = st.num_tokens
+            p, sdev = st.num_tokens, st.window_all.device
             st.window_all[:, p % S] = win[:, b]
             st.window_pos_all[:, p % S] = p
             for s, (main, idx, _) in out["entries"].items():
@@ -290,6 +346,6 @@ class CompiledDecode:
                         st.index[s].append(idx[b: b + 1])
             for s, (pk, pg) in out["pending"].items():
                 n = (p + 1) % self.shapes.ratio[s]
-                st.pending[s] = (pk[b, :n].clone(), pg[b, :n].clone())
-            st.token_ids.append(int(ids[b]))
+                st.pending[s] = (pk[b, :n].to(sdev, copy=True), pg[b, :n].to(sdev, copy=True))
+            st.token_ids.append(toks[b])
             st.num_tokens = p + 1

@@ -160,17 +160,18 @@ def _attention(shapes, attn, x, p1, ring, ring_pos, pools, table, counts, pendin
     row = _encode(attn.rope.apply(attn.kv_norm(P["wkv"]), p1)[:, 0], shapes.window_fmt)    # [B, wb]
     out["window"].append(row)
     S = ring.shape[1]
-    at = (torch.arange(S) == (p1 % S))                                           # [B, S]
+    dev = x.device
+    at = (torch.arange(S, device=dev) == (p1 % S))                               # [B, S]
     ring = torch.where(at.unsqueeze(-1), row.unsqueeze(1), ring)      # decode(encode(x)) = stored x
-    win_idx = torch.arange(B * S).view(B, S)                  # rows of ring.view(B * S, wb)
+    win_idx = torch.arange(B * S, device=dev).view(B, S)      # rows of ring.view(B * S, wb)
     kp = torch.where(at, p1, ring_pos)
     win_valid = ((kp >= 0) & (kp <= p1) & (kp > p1 - cfg.sliding_window)).unsqueeze(1)   # [B, 1, S]
     if attn.role == "full":
         comp[attn.layer_id] = _compress(shapes, attn, P, p1, pools, table, counts, pending, out)
     kv_fmt = shapes.kv_fmt.get(attn.src, shapes.window_fmt)
     comp_rows = ring.new_zeros(1, shapes.row_width.get(attn.src, ring.shape[-1]))
-    comp_idx = torch.zeros(B, 1, 0, dtype=torch.int64)
-    comp_valid = torch.zeros(B, 1, 0, dtype=torch.bool)
+    comp_idx = torch.zeros(B, 1, 0, dtype=torch.int64, device=dev)
+    comp_valid = torch.zeros(B, 1, 0, dtype=torch.bool, device=dev)
     if attn.ratio > 0:
         n_vis, n, main, emit = comp[attn.src]
         kv_pool = pools[("kv", attn.src)]
@@ -180,13 +181,14 @@ def _attention(shapes, attn, x, p1, ring, ring_pos, pools, table, counts, pendin
             idx, valid = out["topk"][attn.isrc]
         else:                                                   # every visible entry
             N = table.shape[1] * kv_pool.shape[1]
-            idx = torch.arange(N).expand(B, 1, N)
+            idx = torch.arange(N, device=dev).expand(B, 1, N)
             valid = idx < n_vis.view(B, 1, 1)
         rows = _gather_rows(kv_pool, table, idx.view(B, -1))                     # [B, k, w]
         new = (idx.view(B, -1) == n.view(B, 1)) & emit.view(B, 1)               # the entry just made
         rows = torch.where(new.unsqueeze(-1), main.unsqueeze(1), rows)
         k = rows.shape[1]
-        comp_rows, comp_idx, comp_valid = rows.reshape(B * k, -1), torch.arange(B * k).view(B, 1, k), valid
+        comp_rows, comp_valid = rows.reshape(B * k, -1), valid
+        comp_idx = torch.arange(B * k, device=dev).view(B, 1, k)
     # one kernel: the FP8 window rows and the selected FP4 entries decoded inside its loop
     o = cedlm_ops.attend_packed(q.float(), ring.reshape(B * S, -1), win_idx, win_valid, shapes.window_fmt,
                                 comp_rows, comp_idx, comp_valid, kv_fmt, attn.attn_sink.float(),
@@ -207,7 +209,7 @@ def _compress(shapes, attn, P, p1, pools, table, counts, pending, out):
     pos = p1[:, 0]
     kv, gate = P["c_wkv"][:, 0].float(), P["c_wgate"][:, 0].float() if r > 1 else None  # [B, hd]
     if r == 1:
-        lat, emit, start = comp.norm(kv), torch.ones(B, dtype=torch.bool), pos
+        lat, emit, start = comp.norm(kv), torch.ones(B, dtype=torch.bool, device=pos.device), pos
     else:
         pk, pg = pending[src]                                                    # [B, r-1, hd]
         phase = pos % r
@@ -215,7 +217,7 @@ def _compress(shapes, attn, P, p1, pools, table, counts, pending, out):
         start = pos - (r - 1)
         kvs, gates = torch.cat((pk, kv.unsqueeze(1)), 1), torch.cat((pg, gate.unsqueeze(1)), 1)
         lat = comp.pool(kvs, gates)[:, 0]                                        # one group
-        slot = (torch.arange(r - 1) == phase.unsqueeze(1)).unsqueeze(-1)         # where it waits
+        slot = (torch.arange(r - 1, device=pos.device) == phase.unsqueeze(1)).unsqueeze(-1)   # where it waits
         out["pending"][src] = (torch.where(slot, kv.unsqueeze(1), pk), torch.where(slot, gate.unsqueeze(1), pg))
     main = _encode(comp.rope.apply(lat, start), shapes.kv_fmt[src])
     idx_bytes = None
@@ -237,7 +239,7 @@ def _select(shapes, ix, P, p1, comp, pool_sel, out):
     n_vis = comp[src][0]
     raw, key, n, emit = out["idx_rows"][src]
     N = raw.shape[1]
-    at = torch.arange(N).view(1, 1, N)
+    at = torch.arange(N, device=raw.device).view(1, 1, N)
     q = P["ix_q"].unflatten(-1, (ix.h, ix.d))                  # `Indexer.queries`, from the products
     w = P["ix_w"].float() * (ix.d ** -0.5 * ix.h ** -0.5)
     q = _round(ix.rope.apply(q, p1.unsqueeze(-1)), shapes.idx_fmt[src]).contiguous()
