@@ -76,7 +76,7 @@ def test_a_failing_phase_and_a_timed_out_phase_are_recorded_and_the_rest_runs(tm
     assert ph["tests"]["status"] == "failed" and ph["tests"]["rc"] == 4
     assert ph["decode"]["status"] == "timed_out" and ph["decode"]["timeout_s"] == 1
     assert ph["capacity"]["status"] == "ok"                # ran after the two that went wrong
-    assert ph["exact"]["status"] == "not_run" and ph["tests_compiled"]["status"] == "not_run"
+    assert all(ph[k]["status"] == "not_run" for k in ("exact", "tests_golden", "tests_compiled"))
     assert not res["ok"] and "capacity" in res["figures"]
     assert "SOME PHASES FAILED" in (out / "gpu_check.md").read_text()
 
@@ -102,6 +102,16 @@ def test_phase_records_parse():
     assert {k: v["status"] for k, v in ph.items()} == {
         "tests": "failed", "decode": "timed_out", "exact": "ok", "tests_compiled": "no_tests",
         "capacity": "skipped"}
+
+
+def test_pytest_log_names_the_test_a_timeout_cut(tmp_path):
+    log = tmp_path / "tests.log"
+    log.write_text("tests/test_a.py::t1[cuda] PASSED  [ 5%]\ntests/test_a.py::t2[cuda] FAILED  [10%]\n"
+                   "tests/test_a.py::t3[cuda] SKIPPED (no)  [15%]\ntests/test_a.py::t4[cuda] \n"
+                   "Timeout (0:00:45)!\n")
+    t = gpu.read_pytest_log(log)
+    assert (t["passed"], t["failed"], t["skipped"]) == (1, 1, 1)
+    assert t["failures"] == ["tests/test_a.py::t2[cuda]"] and t["unfinished"] == "tests/test_a.py::t4[cuda]"
 
 
 def test_junit_counts(tmp_path):

@@ -6,13 +6,18 @@
 # Phases, each a process of its own under its own `timeout`, in this order (cheap and decisive
 # first; a phase that fails or hangs is recorded and the next one runs):
 #
-#   exact           CPU vs GPU codec bytes and logits               (cedlm/bench/gpu_exact.py)      45 s
-#   capacity        small40 vs small40-v4flash in 40 GiB, live      (cedlm/bench/gpu_capacity.py)   45 s
-#   tests           device-parametrised tests, CUDA half (-k "cuda or device", not slow, not
-#                   compiled): every tests/test_*.py that uses tests/devices.py, plus
-#                   test_golden.py and test_compiled_step.py                                      120 s
-#   decode          tokens/s, batch 1/8/64 x context 512..32k, CED vs HF Llama (gpu_decode.py)   180 s
-#   tests_compiled  the same files' compiled / CUDA-graph tests (-m compiled)                      60 s
+#   exact           CPU vs GPU codec bytes and logits               (cedlm/bench/gpu_exact.py)      40 s
+#   capacity        small40 vs small40-v4flash in 40 GiB, live      (cedlm/bench/gpu_capacity.py)   40 s
+#   tests_golden    tests/test_golden.py, its CUDA half (golden logits within their bounds)        60 s
+#   tests           the CUDA half of every other device-parametrised test: each tests/test_*.py
+#                   that uses tests/devices.py, and test_compiled_step.py (not slow, not compiled) 110 s
+#   decode          tokens/s, batch 1/8/64 x context 512..32k, CED vs HF Llama (gpu_decode.py)   150 s
+#   tests_compiled  the same files' torch.compile tests (-m compiled), with what time is left      50 s
+#
+# The test phases select -k "cuda and not fake": the tests that run on the real device. The
+# fake-CUDA and implicit-device-guard tests are CPU checks the CPU suite runs already. pytest runs
+# verbose (a test killed by the phase's timeout is named in the log) with faulthandler_timeout (a
+# test past 45 s dumps its stack into the log).
 #
 # then `assemble` writes DIR/gpu_check.json (stable keys: device, phases, tests, figures) and
 # DIR/gpu_check.md (the tables, also printed). No phase starts past the overall budget (default
@@ -110,10 +115,12 @@ run_phase() {
 # the test files: those that use tests/devices.py, and the golden and compiled-step tests
 if [ -n "${GPU_CHECK_TESTS:-}" ]; then
     TEST_FILES="$GPU_CHECK_TESTS"
+    GOLDEN_FILES="$GPU_CHECK_TESTS"
 else
-    TEST_FILES="$( (grep -l "tests.devices" tests/test_*.py; ls tests/test_golden.py tests/test_compiled_step.py) 2>/dev/null | sort -u | tr '\n' ' ')"
+    TEST_FILES="$( (grep -l "tests.devices" tests/test_*.py; ls tests/test_compiled_step.py) 2>/dev/null | grep -v '^tests/test_golden.py$' | sort -u | tr '\n' ' ')"
+    GOLDEN_FILES=tests/test_golden.py
 fi
-PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rfEs -k "cuda or device")
+PYTEST=("$PY" -m pytest -p no:cacheprovider -v -rfEs -o faulthandler_timeout=45 -k "cuda and not fake")
 [ "$SMOKE" = 1 ] && PYTEST+=(--collect-only)        # the CPU has no CUDA half to run: collect it
 
 figure() { "$PY" -m cedlm.bench.gpu "$1" --out "$OUT" --profile "$PROFILE" --device "$DEVICE" \
@@ -121,15 +128,17 @@ figure() { "$PY" -m cedlm.bench.gpu "$1" --out "$OUT" --profile "$PROFILE" --dev
 export -f figure
 export PY OUT PROFILE DEVICE
 
-SELECTED="${GPU_CHECK_PHASES:-exact capacity tests decode tests_compiled}"
+SELECTED="${GPU_CHECK_PHASES:-exact capacity tests_golden tests decode tests_compiled}"
 for phase in $SELECTED; do
     case "$phase" in
-        exact)    run_phase exact 45 bash -c 'figure exact' ;;
-        capacity) run_phase capacity 45 bash -c 'figure capacity' ;;
-        decode)   run_phase decode 180 bash -c 'figure decode' ;;
-        tests)    run_phase tests 120 "${PYTEST[@]}" -m "not slow and not compiled" \
+        exact)    run_phase exact 40 bash -c 'figure exact' ;;
+        capacity) run_phase capacity 40 bash -c 'figure capacity' ;;
+        decode)   run_phase decode 150 bash -c 'figure decode' ;;
+        tests_golden) run_phase tests_golden 60 "${PYTEST[@]}" -m "not slow" \
+                      --junitxml="$OUT/tests_golden.xml" $GOLDEN_FILES ;;
+        tests)    run_phase tests 110 "${PYTEST[@]}" -m "not slow and not compiled" \
                       --junitxml="$OUT/tests.xml" $TEST_FILES ;;
-        tests_compiled) run_phase tests_compiled 60 "${PYTEST[@]}" -m "compiled and not slow" \
+        tests_compiled) run_phase tests_compiled 50 "${PYTEST[@]}" -m "compiled and not slow" \
                       --junitxml="$OUT/tests_compiled.xml" $TEST_FILES ;;
         *) echo "gpu_check: GPU_CHECK_PHASES: unknown phase '$phase'" >&2; exit 2 ;;
     esac

@@ -33,8 +33,8 @@ from cedlm.bench.common import GIB, MIB, md_table
 
 SCHEMA = 1
 FIGURE_PHASES = ("exact", "capacity", "decode")
-TEST_PHASES = ("tests", "tests_compiled")
-PHASE_ORDER = ("exact", "capacity", "tests", "decode", "tests_compiled")
+TEST_PHASES = ("tests_golden", "tests", "tests_compiled")
+PHASE_ORDER = ("exact", "capacity", "tests_golden", "tests", "decode", "tests_compiled")
 DECODE_MARGIN_S = 25          # of the decode phase's timeout: imports, model build, the last cell
 PROFILES = {
     "gpu": {
@@ -49,7 +49,7 @@ PROFILES = {
         "exact": {"codecs": {"rows": 64}, "logits": {"presets": ("tiny",), "tokens": 24,
                                                      "decode_steps": 2}},
         "capacity": {"budget_bytes": 64 * MIB, "contexts": (1024, 4096), "probe_blocks": 8},
-        "decode": {"batches": (1, 2), "contexts": (32, 64), "new_tokens": 2, "repeats": 2,
+        "decode": {"batches": (1, 2), "contexts": (32,), "new_tokens": 2, "repeats": 2,
                    "cell_cap_s": 5.0, "preset": "tiny", "decode_step": "static",
                    "memory_cap_bytes": 1 * GIB},
     },
@@ -163,6 +163,31 @@ def read_phases(path: Path) -> dict:
     return out
 
 
+def read_pytest_log(path: Path) -> dict | None:
+    """Counts from a verbose pytest log, for a run killed before it wrote its JUnit XML; the test
+    that was running when it was killed is `unfinished`."""
+    import re
+    if not path.exists():
+        return None
+    out = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [],
+           "skip_reasons": {}, "unfinished": None, "from": "log (no JUnit XML: the run was cut)"}
+    key = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
+           "XFAIL": "passed", "XPASS": "passed"}
+    for line in path.read_text(errors="replace").splitlines():
+        m = re.match(r"^(tests/\S+::\S+)\s*(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)?", line)
+        if not m:
+            continue
+        if m.group(2) is None:
+            out["unfinished"] = m.group(1)
+            continue
+        out["tests"] += 1
+        out[key[m.group(2)]] += 1
+        if m.group(2) in ("FAILED", "ERROR"):
+            out["failures"].append(m.group(1))
+        out["unfinished"] = None
+    return out
+
+
 def read_junit(path: Path) -> dict | None:
     """Counts and the failing / skipped tests of a pytest JUnit XML file, or None."""
     import xml.etree.ElementTree as ET
@@ -209,7 +234,8 @@ def assemble(out: Path, profile: str, budget_s: float | None = None,
             device = device or part.get("device")
             if part.get("status") == "running" and phases[name]["status"] == "ok":
                 phases[name]["status"] = "failed"
-    tests = {name: read_junit(out / f"{name}.xml") for name in TEST_PHASES}
+    tests = {name: read_junit(out / f"{name}.xml") or read_pytest_log(out / "logs" / f"{name}.log")
+             for name in TEST_PHASES}
     if device is None:
         device = _device_now()
     ok = all(p["status"] in ("ok", "no_tests") for p in phases.values() if p["status"] != "not_run")
@@ -272,7 +298,8 @@ def report(res: dict) -> str:
         if t and "error" not in t:
             lines.append(f"{name}: {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, "
                          f"{t['skipped']} skipped" + (f"; failing: {', '.join(t['failures'][:20])}"
-                                                      if t["failures"] else ""))
+                                                      if t["failures"] else "")
+                         + (f"; cut while running {t['unfinished']}" if t.get("unfinished") else ""))
     for name, mod in (("exact", gpu_exact), ("capacity", gpu_capacity), ("decode", gpu_decode)):
         part = res["figures"].get(name)
         lines += ["", f"## {name}", ""]
