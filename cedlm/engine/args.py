@@ -54,9 +54,10 @@ class EngineConfig:
     max_model_len: int | None = _opt(None, "context length (default: the model's max_position_embeddings)",
                                      type=int)
     decode_step: str | None = _opt(None, "how a decode step runs: compiled (the static step "
-                                   "through torch.compile), static (the same step uncompiled), eager "
-                                   "(the reference model.decode); default compiled, or $CEDLM_DECODE_STEP",
-                                   choices=list(DECODE_STEPS))
+                                   "through torch.compile), cudagraph (the static step captured as CUDA "
+                                   "graphs), static (the same step uncompiled), eager (the reference "
+                                   "model.decode); default $CEDLM_DECODE_STEP, else cudagraph on CUDA "
+                                   "and compiled on the CPU", choices=list(DECODE_STEPS))
 
     def __post_init__(self):
         if self.prefill_mode not in PREFILL_MODES:
