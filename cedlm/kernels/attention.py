@@ -36,7 +36,8 @@ class PackedKeys:
     dim: int
 
     def decoded(self) -> torch.Tensor:
-        return decode(self.rows[self.index], self.fmt, self.dim)
+        rows = torch.index_select(self.rows, 0, self.index.reshape(-1))
+        return decode(rows.view(*self.index.shape, self.rows.shape[-1]), self.fmt, self.dim)
 
 
 def unpacked(keys):
@@ -75,7 +76,7 @@ def store_args(keys, lead: int) -> tuple[torch.Tensor, torch.Tensor, int, int] |
             return None
         return keys.rows, keys.index.contiguous(), *kind
     rows = keys.reshape(-1, keys.shape[-1])
-    return rows, torch.arange(rows.shape[0]).view(keys.shape[:lead + 1]), -1, 0
+    return rows, torch.arange(rows.shape[0], device=rows.device).view(keys.shape[:lead + 1]), -1, 0
 
 
 def _readable(keys) -> bool:

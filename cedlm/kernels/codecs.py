@@ -41,12 +41,33 @@ _EXT_KIND = {("kv_fp4", "e2m1", "e4m3"): 0, ("index_fp4", "e2m1", "ue8m0"): 1,
 # the public codecs: fast unless the reference is forced
 # ---------------------------------------------------------------------------------------------
 
+def _opaque(f) -> str | None:
+    """The format's name while torch.compile traces (the call then goes through the custom op
+    ``torch.ops.cedlm.*`` of ``ops.py``, which inductor keeps as one opaque call running these
+    eager codecs: fused into generated code, the arithmetic would not be pinned, e.g. inductor
+    turns a division by a constant into a multiplication by its reciprocal on the GPU); None
+    otherwise, for bf16 (a plain cast) and for a format object the ops cannot name."""
+    if not torch.compiler.is_compiling() or isinstance(f, Bf16Format):
+        return None
+    try:
+        return f.name if F.get_format(f.name) == f else None
+    except ValueError:
+        return None
+
+
+def _ops():
+    from . import ops          # registers torch.ops.cedlm.* (ops imports this module)
+    return torch.ops.cedlm
+
+
 def encode(x: torch.Tensor, fmt: str | F.QuantFormat) -> torch.Tensor:
     """float [..., dim] -> uint8 [..., bytes_per_entry(fmt, dim)], layout [elements][scales];
     bit-identical to ``formats.encode_reference`` (which runs when the reference is forced)."""
     f = F.get_format(fmt)
     if isinstance(f, Bf16Format):
         return f.encode(x)
+    if (name := _opaque(f)) is not None:
+        return _ops().encode(x.detach(), name)
     if gate.reference_kernels():
         return F.encode_reference(x, f)
     return fast_encode(x, f)
@@ -58,6 +79,8 @@ def decode(b: torch.Tensor, fmt: str | F.QuantFormat, dim: int) -> torch.Tensor:
     F.check_bytes(b, f, dim)
     if isinstance(f, Bf16Format):
         return f.decode(b, dim)
+    if (name := _opaque(f)) is not None:
+        return _ops().decode(b, name, dim)
     if gate.reference_kernels():
         return F.decode_reference(b, f, dim)
     return fast_decode(b, f, dim)
@@ -74,6 +97,8 @@ def quant_dequant(x: torch.Tensor, fmt: str | F.QuantFormat | None) -> torch.Ten
     f = F.get_format(fmt)
     if isinstance(f, Bf16Format):
         return f.quant_dequant(x)
+    if (name := _opaque(f)) is not None:
+        return _ops().quant_dequant(x.detach(), name)
     if gate.reference_kernels():
         return F.quant_dequant_reference(x, f)
     return fast_quant_dequant(x, f)
@@ -90,14 +115,15 @@ def ext_format(fmt) -> tuple[int, int] | None:
     return None if kind < 0 else (kind, f.block)
 
 
-def _ext_for(f: F.QuantFormat, device: torch.device):
-    """(the compiled module, its kind code) for a codec call, or (None, -1): torch path."""
-    if device.type != "cpu":
+def _ext_for(f: F.QuantFormat, t: torch.Tensor):
+    """(the compiled module, its kind code) for a codec call on ``t``, or (None, -1): the torch
+    path (also for any tensor not on the CPU: the C++ kernels are CPU-only)."""
+    if t.device.type != "cpu":
         return None, -1
     kind = _EXT_KIND.get((f.name, f.element, f.scale), -1)
     if kind < 0:
         return None, -1
-    return gate.codec_module(), kind
+    return gate.codec_module(t), kind
 
 
 def _gather(table: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,6 +133,29 @@ def _gather(table: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = N
         return torch.index_select(table, 0, flat).view(idx.shape)
     torch.index_select(table, 0, flat, out=out.view(-1))
     return out
+
+
+def _span(t: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows r0:r1 of ``t`` (``narrow``, not Python indexing: the same view, and it also runs
+    on the tests' fake CUDA tensors, which a CPU torch build cannot index)."""
+    return t.narrow(0, r0, r1 - r0)
+
+
+def _cols(t: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
+    """Columns c0:c1 (the last dim) of ``t``, as ``_span``."""
+    return t.narrow(-1, c0, c1 - c0)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()`` (a contiguous copy, or ``t`` itself when it is one), without the
+    binding that a CPU build of torch cannot run on the tests' fake CUDA tensors (``_put``)."""
+    return t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+
+
+def _put(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` through the aten op itself (``Tensor.copy_``'s Python binding takes a
+    device guard, which a CPU build of torch cannot make for the tests' fake CUDA tensors)."""
+    torch.ops.aten.copy_.default(dst, src)
 
 
 def _rows_per_chunk(x: torch.Tensor, dim: int) -> int:
@@ -124,14 +173,40 @@ def _scale_values(sb: torch.Tensor, scale: str, tab: dict[str, torch.Tensor]) ->
     return _gather(tab["e4m3" if scale == "e4m3" else "ue8m0"], sb.to(torch.int32))
 
 
-def _e2m1_index(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """int32 round-to-odd class index of contiguous float32 ``t`` (see ``tables.py``), written into
-    the flat ``idx`` (``t.numel()`` elements)."""
+def _class_index(t: torch.Tensor, idx: torch.Tensor, shift: int) -> torch.Tensor:
+    """int32 round-to-odd class index of contiguous float32 ``t`` at ``shift`` (see
+    ``tables.py``: the bits above ``shift``, a sticky bit for any bit below OR-ed into bit 0),
+    written into the flat ``idx`` (``t.numel()`` elements)."""
     tb = t.view(-1).view(torch.int32)
-    torch.bitwise_right_shift(tb, 20, out=idx)
-    idx.bitwise_and_(0xFFF)
-    idx.bitwise_or_(tb.bitwise_and(0xFFFFF).ne_(0))
+    torch.bitwise_right_shift(tb, shift, out=idx)
+    idx.bitwise_and_((1 << (32 - shift)) - 1)
+    idx.bitwise_or_(tb.bitwise_and((1 << shift) - 1).ne_(0))
     return idx
+
+
+def _e2m1_index(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The E2M1 class index (3 mantissa bits kept) of ``t``, into ``idx``."""
+    return _class_index(t, idx, 20)
+
+
+def _e4m3_codes(t: torch.Tensor, tab: dict[str, torch.Tensor]) -> torch.Tensor:
+    """uint8 E4M3 bytes of float32 ``t`` (any shape; a scratch tensor, may be clamped in place):
+    clamp to +-448 and round to nearest even, ``numerics.e4m3_encode``. On the device path by
+    the class table (5 mantissa bits kept) built from it on the CPU; on the CPU by that very
+    function (torch's float8 cast, the reference rule, two passes instead of six)."""
+    if not N.device_path(t):
+        return N.e4m3_encode(t, inplace=True)
+    t = _dense(t)
+    idx = torch.empty(t.numel(), dtype=torch.int32, device=t.device)
+    return _gather(tab["e4m3_code"], _class_index(t, idx, 18)).view(t.shape)
+
+
+def _poison_e2m1_(c: torch.Tensor, x: torch.Tensor, s: torch.Tensor) -> None:
+    """In a NaN-scale tile (t = x/NaN) every E2M1 code becomes 0 with the sign of x, as the
+    reference states it; c [r, tiles, block] uint8, x the unscaled input of that shape."""
+    if not N.device_path(c) and not N.any_nan(s):
+        return
+    torch.where(torch.isnan(s), torch.signbit(x).to(torch.uint8) << 3, c, out=c)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,7 +219,7 @@ def _flat_input(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _chunk_f32(x2: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
-    return x2[r0:r1].to(torch.float32).contiguous()
+    return _dense(_span(x2, r0, r1).to(torch.float32))
 
 
 def fast_encode(x: torch.Tensor, f: F.QuantFormat | F.V4Fp8Format) -> torch.Tensor:
@@ -154,7 +229,7 @@ def fast_encode(x: torch.Tensor, f: F.QuantFormat | F.V4Fp8Format) -> torch.Tens
     dim = f.check_dim(x.shape[-1]) if x.dim() > 0 else f.check_dim(0)
     x2 = _flat_input(x, dim)
     rows, tiles, nd = x2.shape[0], dim // f.block, f.data_bytes(dim)
-    mod, kind = _ext_for(f, x.device)
+    mod, kind = _ext_for(f, x)
     if mod is not None:
         xc = x2.to(torch.float32).contiguous()
         return mod.encode(xc, kind, f.block).view(*x.shape[:-1], nd + tiles)
@@ -168,20 +243,19 @@ def fast_encode(x: torch.Tensor, f: F.QuantFormat | F.V4Fp8Format) -> torch.Tens
         r1 = min(rows, r0 + step)
         r = r1 - r0
         xt = _chunk_f32(x2, r0, r1).view(r, tiles, f.block)
-        sb = F.scale_bytes_from_amax(_tile_amax(xt), f)
+        xs = _span(x2, r0, r1).reshape(r, tiles, f.block)   # own dtype: the sign of a NaN
+        sb = F.scale_bytes_from_amax(_tile_amax(xt), f, lambda y: _e4m3_codes(y, tab))
         s = _scale_values(sb, f.scale, tab).unsqueeze(-1)
         t = xt / s
         if fp4:
-            c = _gather(tab["e2m1_code"], _e2m1_index(t, idx[: r * dim]), code[: r * dim])
-            poisoned = torch.isnan(s.view(r, tiles))
-            if bool(poisoned.any()):      # t = x/NaN: code 0 with the sign of x (as the reference)
-                c3 = c.view(r, tiles, f.block)
-                c3[poisoned] = torch.signbit(xt[poisoned]).to(torch.uint8) << 3
-            out[r0:r1, :nd] = _pack(c, r, dim)
+            c = _gather(tab["e2m1_code"], _e2m1_index(t, _span(idx, 0, r * dim)),
+                        _span(code, 0, r * dim))
+            _poison_e2m1_(c.view(r, tiles, f.block), xs, s)
+            _put(_cols(_span(out, r0, r1), 0, nd), _pack(c, r, dim))
         else:
-            t.clamp_(-N.E4M3_MAX, N.E4M3_MAX)
-            out[r0:r1, :nd].view(torch.float8_e4m3fn).copy_(t.view(r, dim))
-        out[r0:r1, nd:] = sb
+            c = F.e4m3_poisoned(_e4m3_codes(t, tab), xs, s)
+            _put(_cols(_span(out, r0, r1), 0, nd), c.view(r, dim))
+        _put(_cols(_span(out, r0, r1), nd, nd + tiles), sb)
     return out.view(*x.shape[:-1], nd + tiles)
 
 
@@ -199,7 +273,7 @@ def fast_decode(b: torch.Tensor, f: F.QuantFormat | F.V4Fp8Format, dim: int) -> 
         return _v4_decode(b, f, dim)
     nd, tiles, nbytes = f.data_bytes(dim), dim // f.block, f.bytes_per_entry(dim)
     b2 = b.reshape(-1, nbytes)
-    mod, kind = _ext_for(f, b.device)
+    mod, kind = _ext_for(f, b)
     if mod is not None:
         if b2.stride(-1) != 1:
             b2 = b2.contiguous()
@@ -213,15 +287,16 @@ def fast_decode(b: torch.Tensor, f: F.QuantFormat | F.V4Fp8Format, dim: int) -> 
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         r = r1 - r0
-        i = idx[:r]
-        i.copy_(b2[r0:r1, :nd])
-        oc = out[r0:r1]
+        i = _span(idx, 0, r)
+        _put(i, _cols(_span(b2, r0, r1), 0, nd))
+        oc = _span(out, r0, r1)
         if fp4:
             _gather(tab["e2m1_pair"], i, oc.view(torch.int64))
         else:
             _gather(tab["e4m3"], i, oc)
-        s = _scale_values(b2[r0:r1, nd:], f.scale, tab)
-        oc.view(r, tiles, f.block).mul_(s.unsqueeze(-1))
+        s = _scale_values(_cols(_span(b2, r0, r1), nd, nbytes), f.scale, tab).unsqueeze(-1)
+        q = oc.view(r, tiles, f.block)
+        N.scaled(q, s, q_nan=not fp4, out=q)
     return out.view(*b.shape[:-1], dim)
 
 
@@ -232,7 +307,7 @@ def fast_quant_dequant(x: torch.Tensor, f: F.QuantFormat | F.V4Fp8Format) -> tor
     dim = f.check_dim(x.shape[-1]) if x.dim() > 0 else f.check_dim(0)
     x2 = _flat_input(x, dim)
     rows, tiles = x2.shape[0], dim // f.block
-    mod, kind = _ext_for(f, x.device)
+    mod, kind = _ext_for(f, x)
     if mod is not None:
         xc = x2.to(torch.float32).contiguous()
         return mod.quant_dequant(xc, kind, f.block).view(x.shape)
@@ -241,20 +316,22 @@ def fast_quant_dequant(x: torch.Tensor, f: F.QuantFormat | F.V4Fp8Format) -> tor
     step = _rows_per_chunk(x2, dim)
     fp4 = f.element == "e2m1"
     idx = torch.empty(min(step, rows) * dim, dtype=torch.int32, device=x.device) if fp4 else None
+    e4 = lambda y: _e4m3_codes(y, tab)      # noqa: E731
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         r = r1 - r0
         xt = _chunk_f32(x2, r0, r1).view(r, tiles, f.block)
-        s = _scale_values(F.scale_bytes_from_amax(_tile_amax(xt), f), f.scale, tab).unsqueeze(-1)
-        oc = out[r0:r1].view(r, tiles, f.block)
+        s = _scale_values(F.scale_bytes_from_amax(_tile_amax(xt), f, e4), f.scale, tab).unsqueeze(-1)
+        oc = _span(out, r0, r1).view(r, tiles, f.block)
         if fp4:
-            # A poisoned tile (s = NaN) needs no fix here: q * NaN is s's NaN on both paths.
+            # A poisoned tile (s = NaN) needs no fix of q: q * NaN is s's NaN (``scaled``).
             torch.div(xt, s, out=oc)
-            _gather(tab["e2m1_value"], _e2m1_index(oc, idx[: r * dim]), oc)
+            _gather(tab["e2m1_value"], _e2m1_index(oc, _span(idx, 0, r * dim)), oc)
         else:
-            t = (xt / s).clamp_(-N.E4M3_MAX, N.E4M3_MAX)
-            _gather(tab["e4m3"], t.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32), oc)
-        oc.mul_(s)
+            xs = _span(x2, r0, r1).reshape(r, tiles, f.block)
+            c = F.e4m3_poisoned(_e4m3_codes(xt / s, tab), xs, s)
+            _gather(tab["e4m3"], c.to(torch.int32), oc)
+        N.scaled(oc, s, q_nan=not fp4, out=oc)
     return out.view(x.shape)
 
 
@@ -269,19 +346,22 @@ def _v4_encode(x: torch.Tensor, f: F.V4Fp8Format) -> torch.Tensor:
     x2 = _flat_input(x, dim)
     rows = x2.shape[0]
     out = torch.empty(rows, f.bytes_per_entry(dim), dtype=torch.uint8, device=x.device)
+    tab = tables.for_device(x.device)
     step = _rows_per_chunk(x2, dim)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         r = r1 - r0
         xc = _chunk_f32(x2, r0, r1)
-        xt = xc[:, :nope].reshape(r, tiles, f.block)
+        xt = _cols(xc, 0, nope).reshape(r, tiles, f.block)
         sb = F.v4_scale_bytes_from_amax(_tile_amax(xt))
-        t = (xt / N.ue8m0_decode(sb).unsqueeze(-1)).clamp_(-N.E4M3_MAX, N.E4M3_MAX)
-        o = out[r0:r1]
-        o[:, :nope].view(torch.float8_e4m3fn).copy_(t.view(r, nope))
-        o[:, nope: nope + 2 * rope] = xc[:, nope:].to(torch.bfloat16).view(torch.uint8)
-        o[:, nope + 2 * rope: nope + 2 * rope + tiles] = sb
-        o[:, -1] = 0
+        sv = _gather(tab["ue8m0"], sb.to(torch.int32)).unsqueeze(-1)
+        xs = _cols(_span(x2, r0, r1), 0, nope).reshape(r, tiles, f.block)
+        c = F.e4m3_poisoned(_e4m3_codes(xt / sv, tab), xs, sv)
+        o = _span(out, r0, r1)
+        _put(_cols(o, 0, nope), c.view(r, nope))
+        _put(_cols(o, nope, nope + 2 * rope), _cols(xc, nope, dim).to(torch.bfloat16).view(torch.uint8))
+        _put(_cols(o, nope + 2 * rope, nope + 2 * rope + tiles), sb)
+        _cols(o, nope + 2 * rope + tiles, nope + 2 * rope + tiles + 1).zero_()
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -297,13 +377,14 @@ def _v4_decode(b: torch.Tensor, f: F.V4Fp8Format, dim: int) -> torch.Tensor:
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         r = r1 - r0
-        i = idx[:r]
-        i.copy_(b2[r0:r1, :nope])
+        i = _span(idx, 0, r)
+        _put(i, _cols(_span(b2, r0, r1), 0, nope))
         q = _gather(tab["e4m3"], i).view(r, tiles, f.block)
-        s = _gather(tab["ue8m0"], b2[r0:r1, nope + 2 * rope: nope + 2 * rope + tiles].to(torch.int32))
-        oc = out[r0:r1]
-        torch.mul(q, s.unsqueeze(-1), out=oc[:, :nope].view(r, tiles, f.block))
-        oc[:, nope:].copy_(b2[r0:r1, nope: nope + 2 * rope].contiguous().view(torch.bfloat16))
+        br = _span(b2, r0, r1)
+        s = _gather(tab["ue8m0"], _cols(br, nope + 2 * rope, nope + 2 * rope + tiles).to(torch.int32))
+        oc = _span(out, r0, r1)
+        _put(_cols(oc, 0, nope).view(r, tiles, f.block), N.scaled(q, s.unsqueeze(-1)))
+        _put(_cols(oc, nope, dim), _dense(_cols(br, nope, nope + 2 * rope)).view(torch.bfloat16))
     return out.view(*b.shape[:-1], dim)
 
 

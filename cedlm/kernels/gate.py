@@ -90,7 +90,7 @@ def compiled():
             mod, why = None, "NaN * NaN in the reference decode is neither operand on this CPU path"
         if mod is not None:
             t = tables.CPU
-            mod.set_tables(t["e2m1_code"], t["e2m1_value"], t["e2m1_pair"], tables.e4m3_code_table(),
+            mod.set_tables(t["e2m1_code"], t["e2m1_value"], t["e2m1_pair"], t["e4m3_code"],
                            t["e4m3"], t["ue8m0"], nan_rule)
             mod.set_avx2(build.isa() == "auto")
         else:
@@ -129,20 +129,26 @@ def active_backend() -> str:
     return "torch" if _backend == "torch" or compiled() is None else "ext"
 
 
-def codec_module():
-    """The compiled module for a codec call on the CPU (the reference switch already checked by
-    the caller), or None for the vectorised torch codecs (also while torch.compile traces: the
-    bit-identical torch codecs are what inductor fuses, as for ``inference_op``)."""
-    if torch.compiler.is_compiling():
+def _on_cpu(tensors) -> bool:
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def codec_module(*tensors: torch.Tensor):
+    """The compiled module for a codec call on ``tensors`` (the reference switch already checked
+    by the caller), or None for the vectorised torch codecs: a tensor not on the CPU (the C++
+    kernels are CPU-only), the torch backend chosen, or torch.compile tracing (the codecs then
+    reach the custom ops of ``ops.py``, opaque to inductor)."""
+    if torch.compiler.is_compiling() or not _on_cpu(tensors):
         return None
     return None if _backend == "torch" else compiled()
 
 
-def ext_op(name: str):
+def ext_op(name: str, *tensors: torch.Tensor):
     """A compiled kernel of the module (e.g. ``"mhc_mixes"``) when the compiled module is the
-    active backend, else None: the caller then runs its reference path. The reference switch and
-    ``set_fast_backend("torch")`` turn these off too."""
-    if active_backend() != "ext":
+    active backend and every one of ``tensors`` is on the CPU, else None: the caller then runs
+    its reference (torch) path. The reference switch and ``set_fast_backend("torch")`` turn
+    these off too."""
+    if not _on_cpu(tensors) or active_backend() != "ext":
         return None
     return getattr(compiled(), name, None)
 

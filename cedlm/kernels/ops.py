@@ -3,12 +3,14 @@ traces: the compiled decode step (``cedlm/model/step.py``) calls these, and indu
 one opaque call instead of breaking its graph at a pybind function.
 
 Each op runs the compiled kernel when the gate allows it (``gate.ext_op``: built, not forced to
-the reference, the CPU) and otherwise the same torch code as the eager path, so a graph traced
-with the kernels missing still runs and agrees. A fake (meta) implementation gives torch.compile
-the output shapes. The ops are defined with ``torch.library.Library`` and a CPU kernel (a few
-microseconds of dispatch, measured against about 45 for ``torch.library.custom_op``, whose
-autograd wrapper these inference-only ops do not need), and call the extension's functions
-directly. The codec ops are bit-identical to ``cedlm.kernels.encode`` / ``decode`` /
+the reference, every tensor on the CPU) and otherwise the same torch code as the eager path, so a
+graph traced with the kernels missing still runs and agrees. The ops are defined with
+``torch.library.Library`` with one Python kernel registered for the CPU and for CUDA (on CUDA the
+gate always answers "torch path": the C++ kernels are CPU-only), and a fake (meta)
+implementation that gives torch.compile and ``FakeTensorMode`` the output shapes, dtypes and
+device (a few microseconds of dispatch, measured against about 45 for
+``torch.library.custom_op``, whose autograd wrapper these inference-only ops do not need); they
+call the extension's functions directly. The codec ops are bit-identical to ``cedlm.kernels.encode`` / ``decode`` /
 ``quant_dequant`` (they call them); the others agree with their references as the eager fast
 paths do (``index.py``, ``attention.py``).
 
@@ -45,9 +47,13 @@ for _schema in _SCHEMAS.values():
     _LIB.define(_schema)
 
 
+_DEVICES = ("CPU", "CUDA")     # the dispatch keys the Python kernels are registered for
+
+
 def _impl(name):
     def register(fn):
-        _LIB.impl(name, fn, "CPU")
+        for key in _DEVICES:
+            _LIB.impl(name, fn, key)
         return fn
     return register
 
@@ -59,19 +65,20 @@ def _fake(name):
     return register
 
 
-def _codec(fmt: str):
-    """(the extension module, kind, block) for a V4.1 format the extension codes, else None."""
+def _codec(fmt: str, t: Tensor):
+    """(the extension module, kind, block) for a V4.1 format the extension codes and a tensor on
+    the CPU, else None (the torch codecs)."""
     kind = ext_format(fmt)
     if kind is None or gate.reference_kernels():
         return None
-    mod = gate.codec_module()
+    mod = gate.codec_module(t)
     return None if mod is None else (mod, *kind)
 
 
 # ---------------------------------------------------------------- codecs
 @_impl("encode")
 def encode(x: Tensor, fmt: str) -> Tensor:
-    ext = _codec(fmt)
+    ext = _codec(fmt, x)
     if ext is None:
         return codecs.encode(x, fmt)
     mod, kind, block = ext
@@ -88,7 +95,7 @@ def _(x, fmt):
 
 @_impl("decode")
 def decode(b: Tensor, fmt: str, dim: int) -> Tensor:
-    ext = _codec(fmt)
+    ext = _codec(fmt, b)
     if ext is None:
         return codecs.decode(b, fmt, dim)
     mod, kind, block = ext
@@ -102,7 +109,7 @@ def _(b, fmt, dim):
 
 @_impl("quant_dequant")
 def quant_dequant(x: Tensor, fmt: str) -> Tensor:
-    ext = _codec(fmt)
+    ext = _codec(fmt, x)
     if ext is None:
         return codecs.quant_dequant(x, fmt).float().clone()
     mod, kind, block = ext
@@ -123,7 +130,7 @@ def _score_reference(q, w, keys, visible):
 @_impl("index_score")
 def index_score(q: Tensor, w: Tensor, raw: Tensor, visible: Tensor, fmt: str) -> Tensor:
     """q [B,T,h,d], w [B,T,h], raw uint8 [B,N,bytes] packed keys, visible [B,T,N] -> [B,T,N]."""
-    op, kind = gate.ext_op("index_score"), ext_format(fmt)
+    op, kind = gate.ext_op("index_score", q, w, raw, visible), ext_format(fmt)
     if op is not None and kind is not None and raw.shape[-2] > 0:
         return op(q.float().contiguous(), w.float().contiguous(), raw.contiguous(),
                   visible.contiguous(), *kind)
@@ -139,7 +146,7 @@ def _(q, w, raw, visible, fmt):
 @_impl("stable_topk")
 def stable_topk(score: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """(indices int64, values) of the k best along the last dim, ties toward the newest."""
-    op = gate.ext_op("stable_topk")
+    op = gate.ext_op("stable_topk", score)
     if op is not None and score.dtype == torch.float32:
         return op(score.contiguous(), k)
     N = score.shape[-1]
@@ -174,7 +181,7 @@ def attend(q: Tensor, win_k: Tensor, win_valid: Tensor, comp_k: Tensor, comp_val
            sink: Tensor, scale: float) -> Tensor:
     """q [B,T,H,hd]; win_k [B,W,hd], win_valid [B,T,W]; comp_k [B,T,k,hd], comp_valid [B,T,k]
     (k may be 0); sink [H] -> [B,T,H,hd] float32."""
-    op = gate.ext_op("attend_sparse")
+    op = gate.ext_op("attend_sparse", q, win_k, win_valid, comp_k, comp_valid, sink)
     if op is not None:
         return op(q.float().contiguous(), win_k.float().contiguous(), win_valid.contiguous(),
                   comp_k.float().contiguous(), comp_valid.contiguous(), sink.float().contiguous(),
@@ -205,7 +212,8 @@ def attend_packed(q: Tensor, win_rows: Tensor, win_idx: Tensor, win_valid: Tenso
     """``attend`` with the keys read from row stores (``attention.PackedKeys``): rows uint8
     [R, bytes] of KV format ``*_fmt`` (or float32 [R, hd] with fmt ""), win_idx [B,W], comp_idx
     [B,T,k] (k may be 0); the kernel decodes the rows inside its loop (csrc/attend_packed.h)."""
-    op = gate.ext_op("attend_packed")
+    op = gate.ext_op("attend_packed", q, win_rows, win_idx, win_valid, comp_rows, comp_idx,
+                     comp_valid, sink)
     kinds = [(-1, 0) if f == "" else ext_format(f) for f in (win_fmt, comp_fmt)]
     if op is not None and None not in kinds:
         return op(q.float().contiguous(), win_rows, win_idx.contiguous(), win_valid.contiguous(),

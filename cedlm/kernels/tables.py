@@ -21,17 +21,19 @@ What makes the torch path fast (measured in ``cedlm bench --only formats``):
   on members of each class; the tests check every class's extreme members against it.
   torch.bucketize against the boundaries (a binary search per element, and the mixed tie rule
   needs nextafter-shifted boundaries) measured about 5x slower than this index + gather here.
-* E4M3 elements: the same clamp + ``float8_e4m3fn`` cast as the reference (that cast IS the
-  reference rule), on chunks. Scales: the shared ``formats.scale_bytes_from_amax``.
-
-The extension uses the same construction for E4M3 elements: a 16384-entry table by class at 5
-kept mantissa bits (every E4M3 decision point has a 4-bit mantissa; 448 and inf/NaN are class
-points), filled from the reference ``e4m3_encode`` when the extension loads.
+* E4M3 elements (and the kv_fp4 scale byte): the same construction, a 16384-entry table by class
+  at 5 kept mantissa bits (every E4M3 decision point has a 4-bit mantissa; 448 and inf/NaN are
+  class points), filled from the reference ``e4m3_encode`` (clamp + ``float8_e4m3fn`` cast) at
+  import. The extension uses the same table. So on any device the torch codecs do one IEEE
+  division (x / s) and otherwise only integer bit arithmetic and gathers from tables computed
+  here on the CPU (``codecs.py`` has the whole audit). Scales: the shared
+  ``formats.scale_bytes_from_amax``.
 """
 
 from __future__ import annotations
 
 import torch
+from torch._guards import detect_fake_mode
 
 from cedlm.quant import formats as F
 from cedlm.quant import numerics as N
@@ -48,7 +50,7 @@ def class_members(shift: int) -> torch.Tensor:
     (c - 1) << shift and (c + 1) << shift (same sign): its extremes, its centre and the centre's
     neighbours. E2M1 uses shift 20 (3 mantissa bits kept), E4M3 shift 18 (5 kept).
     """
-    c = torch.arange(1 << (32 - shift), dtype=torch.int64)
+    c = torch.arange(1 << (32 - shift), dtype=torch.int64, device="cpu")
     base = (c - (c & 1)) << shift                              # the even point below (or at) c
     odd = (c & 1).bool()
     m = torch.stack((base + 1, (c << shift) - 1, c << shift, (c << shift) + 1,
@@ -63,7 +65,7 @@ def e2m1_class_members() -> torch.Tensor:
 
 
 def _build_tables() -> dict[str, torch.Tensor]:
-    byte = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    byte = torch.arange(256, dtype=torch.int64, device="cpu").to(torch.uint8)
     pair = N.e2m1_decode(N.unpack_nibbles(byte.unsqueeze(1)))          # [256, 2] (low, high)
     t = {
         "e2m1_pair": pair.contiguous().view(torch.int64).view(256),     # both floats, one gather
@@ -75,12 +77,13 @@ def _build_tables() -> dict[str, torch.Tensor]:
     t["e2m1_value"] = N.e2m1_decode(t["e2m1_code"]).contiguous()
     if not bool((codes == codes[:, 2:3]).all()):     # the class argument failed: never silently
         raise AssertionError("cedlm.kernels.tables: E2M1 round-to-odd classes are not uniform")
+    t["e4m3_code"] = e4m3_code_table()
     return t
 
 
 def e4m3_code_table() -> torch.Tensor:
     """uint8 [16384]: E4M3 byte (clamp to +-448 included) by round-to-odd class of t at 5 mantissa
-    bits, the extension's element encoder (built when the extension loads, ~50 ms). Every E4M3
+    bits, the element encoder of both fast paths (``CPU["e4m3_code"]``). Every E4M3
     RNE decision point (a 4-bit mantissa), 448 and the inf/NaN patterns are class points, so the
     reference is constant on each class (checked)."""
     e4 = N.e4m3_encode(class_members(18).view(torch.float32))         # [16384, 5]
@@ -94,7 +97,12 @@ _tables_by_device: dict[torch.device, dict[str, torch.Tensor]] = {torch.device("
 
 
 def for_device(device: torch.device) -> dict[str, torch.Tensor]:
-    """The tables on ``device`` (copied there once)."""
+    """The tables on ``device`` (copied there once, on the first call: before a CUDA graph
+    captures a codec call). Under a ``FakeTensorMode`` (torch.compile's tracing, the tests'
+    ``fake_cuda``): fake tables of the same shapes, never cached."""
+    device = torch.device(device)
+    if detect_fake_mode() is not None:
+        return {k: torch.empty(v.shape, dtype=v.dtype, device=device) for k, v in CPU.items()}
     t = _tables_by_device.get(device)
     if t is None:
         t = {k: v.to(device) for k, v in CPU.items()}
@@ -103,13 +111,14 @@ def for_device(device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def nan_scale_wins() -> bool | None:
-    """Which NaN the reference's ``q.mul_(s)`` keeps when an E4M3 element NaN meets a NaN scale
-    (torch's choice depends on its compiler and kernel path): probed on the reference decode
+    """Which NaN the reference decode keeps when an E4M3 element NaN meets a NaN scale (the rule
+    ``numerics.scaled`` states, from this CPU's multiply): checked on the reference decode
     itself. None when it keeps neither (the extension then stays off)."""
     f = F.FORMATS["window_fp8"]
-    entry = torch.tensor([[0x7F] * f.block + [N.UE8M0_NAN]], dtype=torch.uint8)
+    entry = torch.tensor([[0x7F] * f.block + [N.UE8M0_NAN]], dtype=torch.uint8, device="cpu")
     out = F.decode_reference(entry, f, f.block).view(torch.int32)
-    s_bits = N.ue8m0_decode(torch.tensor([N.UE8M0_NAN], dtype=torch.uint8)).view(torch.int32)
+    s_bits = N.ue8m0_decode(torch.tensor([N.UE8M0_NAN], dtype=torch.uint8, device="cpu"))
+    s_bits = s_bits.view(torch.int32)
     q_bits = CPU["e4m3"][0x7F:0x80].view(torch.int32)
     if bool((out == s_bits).all()):
         return True

@@ -31,8 +31,10 @@ readable definition and the oracle (pure torch). The codecs the model and the ca
 or vectorised torch) unless ``CEDLM_REFERENCE_KERNELS=1`` forces these.
 
 Elements are quantized from t = x/s in float32. In a NaN-scale ("poisoned") tile t is NaN; E2M1
-then stores code 0 with the sign of x, E4M3 stores NaN (0x7F on x86 and CUDA, where x/NaN yields
-the NaN divisor). Either way the whole tile decodes to NaN.
+then stores code 0 with the sign of x, E4M3 stores NaN: 0x7F, or 0xFF where x is itself a NaN
+with its sign bit set (``e4m3_poisoned``). Either way the whole tile decodes to NaN, with the NaN
+bits ``numerics.scaled`` states. Both rules are written out rather than left to the hardware's
+NaN propagation, so the bytes and the decoded bits are the same on every device.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ from .numerics import (
     e2m1_round,
     e4m3_decode,
     e4m3_encode,
-    e4m3_round,
+    any_nan,
+    device_path,
     pack_nibbles,
+    scaled,
     ue8m0_ceil,
     ue8m0_decode,
     unpack_nibbles,
@@ -60,7 +64,7 @@ from .numerics import (
 
 __all__ = ["QuantFormat", "FORMATS", "V4Fp8Format", "V4_FP8", "EXTRA_FORMATS", "get_format",
            "bytes_per_entry", "check_bytes", "scale_bytes_from_amax", "v4_scale_bytes_from_amax",
-           "v4_quant_dequant", "encode_reference", "decode_reference", "quant_dequant_reference"]
+           "v4_quant_dequant", "e4m3_poisoned", "encode_reference", "decode_reference", "quant_dequant_reference"]
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,8 @@ def _v4_split(x: torch.Tensor, f: V4Fp8Format):
     dim = f.check_dim(x.shape[-1]) if x.dim() > 0 else f.check_dim(0)
     x = x.detach().to(torch.float32)
     nope = dim - f.rope
-    return x[..., :nope].reshape(*x.shape[:-1], nope // f.block, f.block), x[..., nope:]
+    nope_part, rope = x.narrow(-1, 0, nope), x.narrow(-1, nope, f.rope)
+    return nope_part.reshape(*x.shape[:-1], nope // f.block, f.block), rope
 
 
 def _v4_scale_bytes(xt: torch.Tensor) -> torch.Tensor:
@@ -182,14 +187,15 @@ def _v4_scale_bytes(xt: torch.Tensor) -> torch.Tensor:
 
 def v4_scale_bytes_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """float32 tile amax [...] -> uint8 UE8M0 scale bytes [...] (shared with the fast codecs)."""
-    y = amax / E4M3_MAX
+    y = torch.div(amax, _f32(E4M3_MAX, amax))
     return ue8m0_ceil(torch.where(y < _V4_FLOOR, torch.full_like(y, _V4_FLOOR), y))
 
 
 def _v4_encode(x: torch.Tensor, f: V4Fp8Format) -> torch.Tensor:
     xt, rope = _v4_split(x, f)
     sb = _v4_scale_bytes(xt)
-    q = e4m3_encode(xt / ue8m0_decode(sb).unsqueeze(-1), inplace=True)
+    s = ue8m0_decode(sb).unsqueeze(-1)
+    q = e4m3_poisoned(e4m3_encode(xt / s, inplace=True), xt, s)
     lead, nope = xt.shape[:-2], xt.shape[-2] * f.block
     rb = rope.to(torch.bfloat16).contiguous().view(torch.uint8)         # little-endian pairs
     pad = torch.zeros(*lead, 1, dtype=torch.uint8, device=x.device)
@@ -202,7 +208,7 @@ def _v4_decode(b: torch.Tensor, f: V4Fp8Format, dim: int) -> torch.Tensor:
     q = e4m3_decode(b[..., :nope]).reshape(*lead, nope // f.block, f.block)
     rope = b[..., nope: nope + 2 * f.rope].contiguous().view(torch.bfloat16).to(torch.float32)
     sb = b[..., nope + 2 * f.rope: nope + 2 * f.rope + nope // f.block]
-    q = q.mul_(ue8m0_decode(sb).unsqueeze(-1)).reshape(*lead, nope)
+    q = scaled(q, ue8m0_decode(sb).unsqueeze(-1)).reshape(*lead, nope)
     return torch.cat((q, rope), dim=-1)
 
 
@@ -210,7 +216,8 @@ def v4_quant_dequant(x: torch.Tensor, f: V4Fp8Format) -> torch.Tensor:
     """Reference ``quant_dequant`` of a ``v4_fp8`` entry (the fast codecs use it as is)."""
     xt, rope = _v4_split(x, f)
     s = ue8m0_decode(_v4_scale_bytes(xt)).unsqueeze(-1)
-    q = e4m3_round(xt / s, inplace=True).mul_(s).reshape(*xt.shape[:-2], xt.shape[-2] * f.block)
+    q = e4m3_decode(e4m3_poisoned(e4m3_encode(xt / s, inplace=True), xt, s))
+    q = scaled(q, s).reshape(*xt.shape[:-2], xt.shape[-2] * f.block)
     return torch.cat((q, rope.to(torch.bfloat16).to(torch.float32)), dim=-1).reshape(x.shape)
 
 
@@ -247,24 +254,50 @@ def _scale_bytes(xt: torch.Tensor, f: QuantFormat) -> torch.Tensor:
     return scale_bytes_from_amax(xt.abs().amax(dim=-1), f)  # NaN propagates
 
 
-def scale_bytes_from_amax(amax: torch.Tensor, f: QuantFormat) -> torch.Tensor:
+def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
+    """``value`` as a float32 0-dim tensor on ``like``'s device: the divisor or factor of a scale
+    rule. Never a Python scalar there: CUDA computes ``a / scalar`` as ``a * (1 / scalar)`` (a
+    second rounding, not IEEE's quotient), where a device tensor gets the true division on every
+    device. ``torch.full`` is a fill kernel (no host-to-device copy: capturable in a CUDA graph)."""
+    return torch.full((), value, dtype=torch.float32, device=like.device)
+
+
+def e4m3_poisoned(codes: torch.Tensor, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """E4M3 element codes [..., T, block] with the rule of a NaN-scale ("poisoned") tile stated:
+    where the scale s [..., T, 1] is NaN, every element is NaN, 0x7F, or 0xFF where x itself (the
+    unscaled input, any float dtype) is a NaN with its sign bit set. That is what x / NaN and the
+    cast give on x86 (the NaN operand); stated here because CUDA's division returns a canonical
+    positive NaN instead."""
+    if not device_path(codes) and not any_nan(s):
+        return codes
+    nan = (torch.isnan(x) & torch.signbit(x)).to(torch.uint8) << 7
+    return torch.where(torch.isnan(s), nan | E4M3_NAN, codes)
+
+
+def scale_bytes_from_amax(amax: torch.Tensor, f: QuantFormat, encode_e4m3=e4m3_encode
+                          ) -> torch.Tensor:
     """float32 tile amax = max |x| [..., T] (NaN if the tile has one) -> uint8 scale bytes [..., T].
 
     The scale rules of the module docstring; the fast codecs (``cedlm.kernels.codecs``) call this too, so the two
-    paths share one definition of the scales. May modify ``amax`` in place.
+    paths share one definition of the scales. May modify ``amax`` in place. ``encode_e4m3``: the
+    float32 -> E4M3 byte encoder of the kv_fp4 scale (the fast codecs pass their table encoder;
+    its input here is finite, in [2^-9, 448], or NaN, which is replaced).
+
+    Every step is exact or one correctly rounded IEEE operation on a device tensor (the audit in
+    ``cedlm/kernels/codecs.py``): max, clamp, one division (or, window_fp8, one multiplication)
+    by a float32 constant, then bit arithmetic (``ue8m0_ceil``) or a round-to-nearest-even cast.
     """
     if f.name == "kv_fp4":
-        y = (amax / 6.0).clamp_(_FP4_MIN_SCALE, E4M3_MAX)
-        sb = e4m3_encode(y)
+        y = torch.div(amax, _f32(6.0, amax)).clamp_(_FP4_MIN_SCALE, E4M3_MAX)
+        sb = encode_e4m3(y)
         # A NaN poisons the tile; force the canonical positive NaN byte.
         return torch.where(torch.isnan(amax), E4M3_NAN, sb).to(torch.uint8)
     if f.name == "index_fp4":
-        return ue8m0_ceil(amax.clamp_min_(_INDEX_AMAX_FLOOR) / 6.0)
+        return ue8m0_ceil(torch.div(amax.clamp_min_(_INDEX_AMAX_FLOOR), _f32(6.0, amax)))
     if f.name == "window_fp8":
         # Multiply by fp32(1/448) as the reference kernel does. (Checked exhaustively over a
         # binade: the ceil never differs from that of the correctly rounded amax/448.)
-        inv448 = torch.tensor(1.0 / 448.0, dtype=torch.float32, device=amax.device)
-        return ue8m0_ceil(amax.clamp_min_(_WINDOW_AMAX_FLOOR) * inv448)
+        return ue8m0_ceil(amax.clamp_min_(_WINDOW_AMAX_FLOOR) * _f32(1.0 / 448.0, amax))
     raise AssertionError(f.name)
 
 
@@ -297,12 +330,13 @@ def encode_reference(x: torch.Tensor, fmt: str | QuantFormat) -> torch.Tensor:
         return _v4_encode(x, f)
     xt = _tiles(x, f)
     sb = _scale_bytes(xt, f)
-    t = xt / _scale_values(sb, f)
+    s = _scale_values(sb, f)
+    t = xt / s
     flat = (*xt.shape[:-2], xt.shape[-2] * f.block)
     if f.element == "e2m1":
         data = pack_nibbles(e2m1_encode(t, xt, inplace=True).reshape(flat))
     else:
-        data = e4m3_encode(t, inplace=True).reshape(flat)
+        data = e4m3_poisoned(e4m3_encode(t, inplace=True), xt, s).reshape(flat)
     return torch.cat((data, sb), dim=-1)
 
 
@@ -322,7 +356,7 @@ def decode_reference(b: torch.Tensor, fmt: str | QuantFormat, dim: int) -> torch
     else:
         q = e4m3_decode(data)
     q = q.reshape(*lead, dim // f.block, f.block)
-    return q.mul_(_scale_values(sb, f)).reshape(*lead, dim)
+    return scaled(q, _scale_values(sb, f), q_nan=f.element == "e4m3").reshape(*lead, dim)
 
 
 def quant_dequant_reference(x: torch.Tensor, fmt: str | QuantFormat | None) -> torch.Tensor:
@@ -338,8 +372,7 @@ def quant_dequant_reference(x: torch.Tensor, fmt: str | QuantFormat | None) -> t
     s = _scale_values(_scale_bytes(xt, f), f)
     t = xt / s
     if f.element == "e2m1":
-        q = e2m1_round(t, xt, inplace=True)
-    else:
-        q = e4m3_round(t, inplace=True)
-    return q.mul_(s).reshape(x.shape)
+        return scaled(e2m1_round(t, xt, inplace=True), s, q_nan=False).reshape(x.shape)
+    q = e4m3_decode(e4m3_poisoned(e4m3_encode(t, inplace=True), xt, s))
+    return scaled(q, s).reshape(x.shape)
 

@@ -37,6 +37,11 @@ __all__ = [
     "e4m3_round",
     "ue8m0_ceil",
     "ue8m0_decode",
+    "SCALE_NAN_WINS",
+    "DEVICE_PATH_ON_CPU",
+    "device_path",
+    "any_nan",
+    "scaled",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -56,15 +61,10 @@ _E2M1_TABLE = E2M1_VALUES + tuple(-v for v in E2M1_VALUES)
 _E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
                 (2.5, False), (3.5, True), (5.0, False))
 
-_table_cache: dict[torch.device, torch.Tensor] = {}
-
-
 def _e2m1_table(device: torch.device) -> torch.Tensor:
-    t = _table_cache.get(device)
-    if t is None:
-        t = torch.tensor(_E2M1_TABLE, dtype=torch.float32, device=device)
-        _table_cache[device] = t
-    return t
+    """The 16 E2M1 values on ``device`` (made per call: only the readable reference decoder uses
+    it, and a cache would keep a fake tensor made under a FakeTensorMode)."""
+    return torch.tensor(_E2M1_TABLE, dtype=torch.float32, device=device)
 
 
 _F32_ONE_BITS = 0x3F800000    # 1.0
@@ -233,3 +233,64 @@ def ue8m0_decode(b: torch.Tensor) -> torch.Tensor:
     bits = torch.where(bi == 0, _F32_2POW_M127_BITS, bits)
     bits = torch.where(bi == UE8M0_NAN, _F32_QNAN_BITS, bits)
     return bits.view(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# dequantisation: element value times scale, with NaN bits made explicit
+# ---------------------------------------------------------------------------------------------
+
+DEVICE_PATH_ON_CPU = False     # tests set it: the CPU then runs the path a GPU runs
+
+
+def device_path(t: torch.Tensor) -> bool:
+    """Whether a codec call on ``t`` runs the device path: every NaN rule applied unconditionally
+    (a ``torch.where``, no host sync, so a CUDA graph can capture it) rather than after a
+    ``bool(isnan(...).any())`` check, and (``cedlm.kernels.codecs``) E4M3 elements encoded by
+    the class table rather than torch's float8 cast. Both paths give the same bits. True off
+    the CPU, while torch.compile traces, or when ``DEVICE_PATH_ON_CPU`` is set."""
+    return DEVICE_PATH_ON_CPU or t.device.type != "cpu" or torch.compiler.is_compiling()
+
+
+def any_nan(t: torch.Tensor) -> bool:
+    """Whether float ``t`` holds a NaN (a host sync: the CPU path's check; ``amax`` propagates
+    NaN and reads ``t`` once, four times faster here than ``isnan(t).any()``)."""
+    return t.numel() > 0 and bool(torch.isnan(t.amax()))
+
+
+def _probe_scale_nan_wins() -> bool:
+    """Which NaN this CPU's float32 multiply keeps for (E4M3 NaN element) * (UE8M0 NaN scale),
+    on a vector-sized tensor as the decoders multiply: True for the scale's, False
+    for the element's; True when it keeps neither (the stated rule then replaces that third NaN)."""
+    q = torch.full((32,), 0x7F, dtype=torch.uint8, device="cpu").view(torch.float8_e4m3fn)
+    q = q.to(torch.float32)
+    s = ue8m0_decode(torch.full((32,), UE8M0_NAN, dtype=torch.uint8, device="cpu"))
+    got = (q * s).view(torch.int32)
+    return not bool((got == q.view(torch.int32)).all())
+
+
+SCALE_NAN_WINS = _probe_scale_nan_wins()
+
+
+def scaled(q: torch.Tensor, s: torch.Tensor, *, q_nan: bool = True,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """q * s (float32; s broadcast over q, e.g. [..., T, 1] over tiles [..., T, block]), the one
+    multiply of every decode, with the bits of a NaN result stated instead of left to hardware.
+
+    A finite product is IEEE's correctly rounded float32 product on every device (exact unless
+    it is subnormal, then round-to-nearest-even; torch's CPU and CUDA kernels keep subnormals).
+    NaN propagation is not portable: x86 returns the NaN operand (when both are NaN, which one
+    depends on the kernel's operand order), CUDA returns the canonical 0x7FFFFFFF. So a NaN result is set explicitly to the NaN operand,
+    and where both are NaN to the scale's when ``SCALE_NAN_WINS`` (probed once on this CPU's
+    multiply, so the CPU's own bits never change) else the element's. ``q_nan=False``: q has no
+    NaN (E2M1 values), the element check is skipped.
+    """
+    if not device_path(q) and not any_nan(s) and not (q_nan and any_nan(q)):
+        return torch.mul(q, s, out=out) if out is not None else torch.mul(q, s)
+    p = torch.mul(q, s)
+    fixes = [(torch.isnan(q), q)] if q_nan else []
+    fixes.insert(len(fixes) if SCALE_NAN_WINS else 0, (torch.isnan(s), s))   # the last one wins
+    for k, (mask, value) in enumerate(fixes):
+        if k == len(fixes) - 1 and out is not None:
+            return torch.where(mask, value, p, out=out)
+        p = torch.where(mask, value, p)
+    return p
