@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from cedlm.bench import gpu, gpu_capacity, gpu_common, gpu_decode, gpu_exact
+from tests.devices import implicit_device_guard
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "scripts" / "gpu_check.sh"
@@ -39,10 +40,8 @@ def test_without_cuda_the_script_stops_with_a_clear_message(tmp_path):
 
 def test_cpu_smoke_runs_every_phase_and_writes_one_json(tmp_path):
     out = tmp_path / "out"
-    t0 = time.perf_counter()
     p = _script(tmp_path, "--cpu-smoke", "--out", str(out))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert time.perf_counter() - t0 < 120
     res = json.loads((out / "gpu_check.json").read_text())
     assert set(res) >= {"schema", "name", "profile", "ok", "started_at", "finished_at", "wall_s",
                         "budget_s", "device", "env", "phases", "tests", "checks", "figures"}
@@ -174,6 +173,15 @@ def test_device_states_are_states_the_decode_step_runs_like_the_reference():
         got = ced_decode_fn(m, "static")([5, 9], a)
         exp = m.decode([5, 9], b)
     torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4)
+    # every tensor the figure makes names its device (tests/devices.py: the rest lands on meta)
+    with implicit_device_guard(), torch.no_grad():
+        states = gpu_decode.device_states(m, C, 2, CPU, seed=3)
+        run = gpu_decode._ced_runner(m, ced_decode_fn(m, "static"), 2, C, 2, 8, CPU, 0)
+        run()
+        gpu_exact.codecs(CPU, rows=4, cases=(("kv_fp4", 128), ("window_fp8", 128)))
+        gpu_capacity.capacity(CPU, budget_bytes=16 << 20, contexts=(512,), probe_blocks=2,
+                              log=lambda s: None)
+    assert states[0].window_all.device == CPU
 
 
 def test_capacity_counts_live_allocations_and_refuses_bad_input():

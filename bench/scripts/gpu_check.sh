@@ -83,6 +83,9 @@ PHASES="$OUT/phases.tsv"
 T0=$(date +%s)
 DEADLINE=$((T0 + BUDGET))
 echo "gpu_check: profile $PROFILE, device $DEVICE, torch $TORCH_V (CUDA $TORCH_CUDA), budget ${BUDGET}s, results in $OUT"
+"$PY" -c 'import cedlm' 2>/dev/null || echo "gpu_check: WARNING: $PY cannot import cedlm from $ROOT; the phases will fail" >&2
+"$PY" -c 'import transformers' 2>/dev/null || echo "gpu_check: note: transformers is not installed: the decode figure skips its HF Llama cells" >&2
+[ "$DEVICE" = cuda ] && command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader
 
 ms() { date +%s%3N; }
 

@@ -103,7 +103,10 @@ def run_phase(phase: str, out: Path, profile: str = "gpu", device: str | None = 
     part.update(status="done" if ok else "failed", finished_at=now(),
                 elapsed_s=time.perf_counter() - t0)
     if dev.type == "cuda":
-        part["peak_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
+        try:
+            part["peak_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
+        except Exception as e:               # a device in an error state: keep the result
+            part["peak_memory_allocated_bytes"] = f"unavailable ({type(e).__name__}: {e})"
     _write(path, part)
     return 0 if ok else 1
 
@@ -243,7 +246,7 @@ def assemble(out: Path, profile: str, budget_s: float | None = None,
            "started_at": (datetime.datetime.fromtimestamp(started, datetime.timezone.utc)
                           .isoformat(timespec="seconds") if started else None),
            "finished_at": now(), "wall_s": time.time() - started if started else None,
-           "budget_s": budget_s, "device": device, "env": env_block(),
+           "budget_s": budget_s, "device": device, "env": {**env_block(), "packages": packages()},
            "phases": {k: phases[k] for k in sorted(phases, key=_order)},
            "tests": tests, "checks": checks(figures, tests), "figures": figures}
     _write(out / "gpu_check.json", res)
@@ -266,6 +269,18 @@ def checks(figures: dict, tests: dict) -> dict:
             "decode_cells": {k: cells.count(k) for k in ("measured", "skipped", "failed")},
             "tests_failed": {k: (t["failed"] + t["errors"] if t and "failed" in t else None)
                              for k, t in tests.items()}}
+
+
+def packages() -> dict:
+    """Versions of what the phases lean on (None: not installed)."""
+    import importlib.metadata as md
+    out = {}
+    for name in ("torch", "transformers", "triton", "numpy", "safetensors"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def _order(name: str) -> int:

@@ -78,7 +78,7 @@ def device_states(model, context: int, batch: int, device, seed: int = 0, margin
         st.window_all[:, slots] = tiled(pos.numel(), layout.window_dim, layout.window_fmt)
         st.window_pos_all[:, slots] = pos
         st.num_tokens = context
-        st.token_ids = torch.randint(0, cfg.vocab_size, (context,), generator=host).tolist()
+        st.token_ids = torch.randint(0, cfg.vocab_size, (context,), generator=host, device="cpu").tolist()
         states.append(st)
     return states
 
@@ -113,7 +113,7 @@ def _ced_runner(model, step, B: int, C: int, new: int, margin: int, device, seed
 
 def _hf_runner(tf, hf, B: int, C: int, new: int, device, seed: int):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, hf.config.vocab_size, (B, C + 1), generator=g).to(device)
+    ids = torch.randint(1, hf.config.vocab_size, (B, C + 1), generator=g, device="cpu").to(device)
     mask = torch.ones_like(ids)
     cache = _hf_cache(tf, hf, B, C, device)
 

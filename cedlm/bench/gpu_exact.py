@@ -42,14 +42,14 @@ REL_TOLERANCE = {"tiny": 0.10, "small": 0.02}      # tests/test_golden.py's boun
 
 
 def _inputs(rows: int, dim: int, g: torch.Generator) -> torch.Tensor:
-    x = torch.randn(rows, dim, generator=g)
-    x *= 10.0 ** (torch.rand(rows, 1, generator=g) * 12 - 6)
+    x = torch.randn(rows, dim, generator=g, device="cpu")
+    x *= 10.0 ** (torch.rand(rows, 1, generator=g, device="cpu") * 12 - 6)
     n = min(rows, 4)
-    special = torch.zeros(n, dim)                       # zeros, subnormals, huge, lone outlier
+    special = torch.zeros(n, dim, device="cpu")         # zeros, subnormals, huge, lone outlier
     if n > 1:
-        special[1] = torch.randn(dim, generator=g) * 1e-40
+        special[1] = torch.randn(dim, generator=g, device="cpu") * 1e-40
     if n > 2:
-        special[2] = torch.randn(dim, generator=g) * 1e30
+        special[2] = torch.randn(dim, generator=g, device="cpu") * 1e30
     if n > 3:
         special[3, dim // 3] = 7.5e3
     x[:n] = special
@@ -57,7 +57,7 @@ def _inputs(rows: int, dim: int, g: torch.Generator) -> torch.Tensor:
 
 
 def _nonfinite(rows: int, dim: int, g: torch.Generator) -> torch.Tensor:
-    x = torch.randn(max(rows, 3), dim, generator=g)
+    x = torch.randn(max(rows, 3), dim, generator=g, device="cpu")
     x[0, 0], x[1, -1], x[2, dim // 2] = float("nan"), float("inf"), float("-inf")
     return x
 
@@ -96,7 +96,7 @@ def codecs(device: torch.device, rows: int = 4096, seed: int = 0, cases=CASES) -
              "encode_cpu_fast_vs_reference": _bytes_equal(cpu, ref),
              "encode_device_vs_cpu_reference": _bytes_equal(dev.cpu(), ref),
              "encode_device_reference_vs_cpu_reference": _bytes_equal(dev_ref.cpu(), ref)}
-        junk = torch.randint(0, 256, ref.shape, dtype=torch.uint8, generator=g)
+        junk = torch.randint(0, 256, ref.shape, dtype=torch.uint8, generator=g, device="cpu")
         for name, b in (("decode", ref), ("decode_random_bytes", junk)):
             want = decode_reference(b, fmt, dim)
             r[f"{name}_cpu_fast_vs_reference"] = _values_equal(decode(b, fmt, dim), want)
@@ -134,7 +134,7 @@ def logits(device: torch.device, presets=("tiny", "small"), tokens: int = 128,
         cpu_model = CEDModel(ModelConfig.preset(name)).eval()
         dev_model = copy.deepcopy(cpu_model).to(device)
         ids = torch.randint(0, cpu_model.cfg.vocab_size, (1, tokens),
-                            generator=torch.Generator().manual_seed(seed))
+                            generator=torch.Generator().manual_seed(seed), device="cpu")
         row = {"preset": name, "tokens": tokens, "tolerance_share_of_std": rel}
         with torch.no_grad():
             row["forward"] = _compare(cpu_model(ids), dev_model(ids.to(device)), rel)
