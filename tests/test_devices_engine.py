@@ -267,10 +267,7 @@ def test_every_engine_command_has_the_option():
 
 
 # ============================================================================ under the guard
-@pytest.fixture(params=["torch", pytest.param("auto", marks=pytest.mark.xfail(strict=True, reason=(
-    "the compiled CPU kernels' argument preparation still makes a tensor without a device: "
-    "cedlm/kernels/attention.py store_args builds its key index with torch.arange(n) (the "
-    "kernels helper's part of issue 31); the kernels never run on CUDA, the torch path does")))])
+@pytest.fixture(params=["torch", "auto"])
 def kernel_backend(request):
     """The kernel backend under test: "torch" is the path every device but the CPU runs (the
     compiled kernels are CPU-only); "auto" the compiled CPU kernels where built."""
