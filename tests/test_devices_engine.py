@@ -375,3 +375,23 @@ def test_prompt_scoring_and_constraints_under_the_guard():
     ref = run()
     with implicit_device_guard():
         assert run() == ref
+
+
+def test_grammar_masks_under_the_guard():
+    """Structured output's token masks: built from the host bitmask, moved to the logits' device."""
+    from cedlm.server.constrain import Grammars
+    from cedlm.text.tokenizer import load_tokenizer
+    tok = load_tokenizer("default")
+    g = Grammars(tok, tok.vocab_size)
+    if not g.available:
+        pytest.skip("llguidance is not installed")
+    grammar = g.regex("(ab|cd)+x", "guided_regex")
+    seq = tok.encode_plain("ab")
+    logits = torch.zeros(tok.vocab_size + 3)          # a model vocabulary wider than the tokenizer's
+
+    def run():
+        return torch.isfinite(g.processor(grammar, "guided_regex")(seq, logits)).tolist()
+    ref = run()
+    with implicit_device_guard():
+        assert run() == ref
+    assert 0 < sum(ref) < tok.vocab_size
