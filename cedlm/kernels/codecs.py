@@ -13,7 +13,43 @@ Which path runs is the gate's choice (``gate.py``):
 
 Both fast paths use the same look-up tables (``tables.py``, computed from the reference), so
 neither can drift; ``tables.py`` explains the constructions and what makes the torch path fast.
-bf16 entries are a plain dtype cast on every path.
+bf16 entries are a plain dtype cast on every path. While torch.compile traces, the codecs are
+the custom ops of ``ops.py`` (opaque: their eager code runs, see ``_opaque``).
+
+Bit identity on every device (the audit; tests/test_devices_codecs.py pins it). The torch path
+is what runs on a GPU, and every operation in it is exact or one IEEE-754 correctly rounded
+operation, so CPU and CUDA give the same bits for the same inputs:
+
+* input -> float32: exact from bf16/fp16, round-to-nearest-even from float64 (IEEE).
+* tile amax = ``abs().amax``: max is exact and order-free (there is no sum anywhere); a NaN
+  makes it NaN on both (its payload is never read: only ``isnan`` and exponent bits).
+* scale rules (``formats.scale_bytes_from_amax``): clamps (exact float32 bounds), ONE division
+  amax / 6 (kv_fp4, index_fp4) or multiplication by fp32(1/448) (window_fp8), by a float32
+  tensor on the device, never a Python scalar: ATen's CUDA kernel divides by a CPU scalar as
+  a * (1 / b), which changed 30 of the 131k kv_fp4 scale bytes of the test sweep (amax
+  0.11132812: 0x09 by the quotient, 0x0A by the reciprocal). UE8M0 ceil: integer arithmetic
+  on the int32 view (no log2 / exp2 / pow / ceil). kv_fp4's E4M3 scale byte: as the elements.
+* scale values: gathers from 256-entry tables made on the CPU by the reference decoders.
+* t = x / s: one IEEE division of device tensors (ATen builds without fast math and keeps
+  subnormals on CPU and CUDA); a power of two s (UE8M0) divides exactly unless t is subnormal.
+* element codes: an integer round-to-odd class index (shift / and / or on the int32 view) and
+  a gather from tables the reference encoder filled on the CPU (E2M1 always; E4M3 on the device
+  path, ``numerics.device_path``; the CPU path uses torch's float8 cast, the reference rule).
+  No float -> int conversion, no ``torch.round``: indices come from bit views.
+* NaN-scale ("poisoned") tiles: the codes are stated (``_poison_e2m1_``,
+  ``formats.e4m3_poisoned``) instead of following NaN propagation (x86 returns the NaN operand,
+  CUDA a canonical NaN); decode's product q * s (exact unless subnormal, then round-to-nearest-
+  even) has its NaN bits stated by ``numerics.scaled``.
+* packing: integer shifts and ors (an int16 view: little-endian hosts and GPUs).
+* no fused multiply-add can form: no product feeds an addition; torch.compile never fuses the
+  codecs (inductor would, and on the GPU it turns a division by a constant into a reciprocal
+  multiplication); the device path has no host sync, and its constants are fill kernels
+  (``torch.full``), so a CUDA graph can capture it once the tables are on the device.
+
+Not covered: the readable reference itself run on CUDA goes through torch's float8 casts, exact
+for every finite value but free in the NaN bits its E4M3 decode gives; bf16 entries (``bf16``,
+v4_fp8's RoPE, outside the V4.1 formats) keep whatever bits each device's cast gives a NaN
+(0xFFFF from this CPU's kernels; CUDA's conversion makes its own canonical NaN).
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ codecs or the readable reference.
 * ``inference_op(name, *tensors)``: a compiled model kernel (attention, indexer, mHC, RoPE) for
   one inference call, or None (the caller runs its reference) when autograd needs the call, a
   tensor is not on the CPU, or (unless ``float32=False``) not float32.
+* The C++ kernels are CPU-only: ``codec_module(*tensors)``, ``ext_op(name, *tensors)`` and
+  ``inference_op`` all answer "torch path" for a tensor on any other device (CUDA runs the
+  vectorised torch codecs, bit-identical, and the model's torch reference code).
 
 The compiled module is loaded on first use (``build.load``: never compiles). When it is missing,
 stale or fails to import, ONE warning line is logged (logger ``cedlm.quant``, as before the
