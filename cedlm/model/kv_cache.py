@@ -157,6 +157,7 @@ class ByteKVCache(_Stash):
         self._kv_bytes: dict[int, torch.Tensor] = {}
         self._ends: dict[int, torch.Tensor] = {}
         self._olds: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._tables: dict[tuple[int, int, int], torch.Tensor] = {}    # block ids on the device
 
     # ---------------------------------------------------------------- windows
     def window(self, layer, kv, pos):
@@ -313,7 +314,7 @@ class ByteKVCache(_Stash):
             data, blocks = r.blocks()
             per = data.shape[1]
             i = idx[b].clamp(0, max(r.n - 1, 0))
-            table = torch.tensor(blocks if r.n else [0], dtype=torch.int64, device=data.device)
+            table = self._table(b, blocks if r.n else [0], data.device)
             stores.append(data)
             ids.append(table[i // per] * per + i % per if r.n else torch.zeros_like(i))
         if all(d.data_ptr() == stores[0].data_ptr() and d.shape == stores[0].shape for d in stores):
@@ -322,6 +323,14 @@ class ByteKVCache(_Stash):
             raw = torch.stack([d.view(-1, spec.width)[i] for d, i in zip(stores, ids)])
             store, index = raw.view(-1, spec.width), torch.arange(idx.numel(), device=raw.device).view(idx.shape)
         return PackedKeys(store, index, spec.fmt, spec.dim)
+
+    def _table(self, b: int, blocks: list[int], device) -> torch.Tensor:
+        """Sequence b's block ids as a device tensor, copied once per call and table length (every
+        row kind of a sequence shares its block table, which only grows during a call)."""
+        key = (b, len(blocks), blocks[-1])
+        if key not in self._tables:
+            self._tables[key] = torch.tensor(blocks, dtype=torch.int64, device=device)
+        return self._tables[key]
 
     def history(self, first_pos, n):
         return [st.token_ids[max(0, p - n): p] for st, p in zip(self.states, first_pos)]
