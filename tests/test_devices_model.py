@@ -321,6 +321,23 @@ def test_fake_device_dspark_draft(dense_moe):
     assert toks.device.type == FAKE_DEVICE and toks.shape == (2, cfg.dspark_block_size)
 
 
+def test_fake_device_vision(dense_moe):
+    """The vision tower on the fake device (host patches moved in by the ViT) and a forward with
+    the image span spliced in."""
+    from cedlm.config.vision import VisionConfig, with_vision
+    from cedlm.model import vision as V
+    from cedlm.model.model import CEDModel
+    vc = VisionConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=48,
+                      patch_size=14, max_image_tokens=64, min_pixels=0)
+    torch.manual_seed(0)
+    fm, mode = fake_cuda(CEDModel(with_vision(ModelConfig.preset("tiny"), vc, 15)).eval())
+    patches = torch.randn(16, 3, 14, 14)
+    with torch.no_grad(), mode:
+        emb = V.encode_image(fm, patches, (4, 4), (2, 2))
+        out = fm(torch.full((1, 20), 15, dtype=torch.int64, device=FAKE_DEVICE), images=[[(5, emb)]])
+    assert emb.device.type == out.device.type == FAKE_DEVICE and emb.shape == (8, fm.cfg.hidden_size)
+
+
 def test_fake_device_decoder_only(dense_moe):
     from cedlm.model import build_model
     torch.manual_seed(0)

@@ -120,8 +120,9 @@ class ViT(nn.Module):
         grid) -> [..., n_h * n_w, Dv]."""
         if patches.shape[-4] != n_h * n_w:
             raise ValueError(f"patches: {patches.shape[0]} for a {n_h}x{n_w} grid")
-        ang = rope_2d_angles(n_h, n_w, self.vc.head_dim, self.vc.rope_theta, patches.device)
-        x = self.patch_embed.proj(patches.to(self.patch_embed.proj.weight.dtype).flatten(-3))
+        w = self.patch_embed.proj.weight                 # patches come from the host: moved here
+        ang = rope_2d_angles(n_h, n_w, self.vc.head_dim, self.vc.rope_theta, w.device)
+        x = self.patch_embed.proj(patches.to(w.device, w.dtype).flatten(-3))
         for blk in self.blocks:
             x = blk(x, ang)
         return self.norm(x)
