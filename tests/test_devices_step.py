@@ -201,6 +201,9 @@ def test_graph_buffers_match_the_unpadded_step(shipped, paged):
         g = graphs.graphs[graphs.key(shapes, args, copied)]
         assert g.ids.shape[0] == bucket(B) and g.table.shape[1] == bucket(args[6].shape[1])
         widened |= g.table.shape[1] > args[6].shape[1]
+        if copied:
+            assert all(buf.shape[:2] == (bucket(B), bucket(p.shape[1]))
+                       for buf, p in zip(g.pools.values(), args[5].values()))
         assert logits.shape == ref_logits.shape
         for l, (idx, ok) in ref_out["topk"].items():
             gidx, gok = out["topk"][l]
@@ -236,3 +239,24 @@ def test_graphs_are_bounded_least_recently_used_out(shipped):
         keys.append(graphs.key(shapes, args, copied))
         assert torch.equal(logits, first.setdefault(B, logits))
         assert list(graphs.graphs) == keys[-2:]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["static", "cudagraph"])
+def test_offloaded_engram_table_runs_the_step(shipped, tmp_path, mode):
+    """An Engram table offloaded to host memory (the seeds' design beside a model on the GPU)
+    no longer sends decoding to the reference: its rows are looked up on the host before the step
+    (an input of the step and of the graphs' buffers), and the step gives bit for bit the logits
+    of the same step with the table in the model."""
+    off = load_model("cedlm/assets/model")[0].eval()
+    off.offload_engram(tmp_path)
+    step, ref_step = CompiledDecode(off, mode), CompiledDecode(shipped, mode)
+    assert step.why_not() is None
+    for lengths in ([61], [5, 40]):
+        ref, toks = _states(shipped, lengths, paged=False, seed=5)
+        got = copy.deepcopy(ref)
+        for _ in range(3):
+            a, b = ref_step(toks, ref), step(toks, got)
+            assert torch.equal(a, b)
+            toks = a.argmax(-1).tolist()
+    assert step.fallbacks == 0 and step.calls == 6

@@ -7,17 +7,19 @@ back to the sequences' states. `CEDModel.decode` stays the reference (and the fa
 Before the call the host gathers plain tensors: token ids and positions, the Engram history, the
 window rings ([layers, B, slots, bytes]: a view for one sequence), each row kind's block pool and
 the batch's block table (paged rows as they are; contiguous rows as a one-block pool), entry
-counts and the pending compressor rows. After it, it writes back what the step returns: one ring
-row per layer, the completed entries (appended to the sequences' rows, which allocate blocks as
-usual), the pending rows, the token. Integer bookkeeping only; no tensor value is read back.
+counts and the pending compressor rows; with an Engram table offloaded to host memory (the seeds'
+design beside a model on the GPU) also the Engram rows, looked up on the host before the step
+(the step itself then reads no host memory). After it, it writes back what the step returns: one
+ring row per layer, the completed entries (appended to the sequences' rows, which allocate blocks
+as usual), the pending rows, the token. Integer bookkeeping only; no tensor value is read back.
 
 The step runs where it is exact to the reference within float rounding and falls back to
 `model.decode` otherwise (`why_not`): decisions being recorded or replayed (a test pins them),
-an offloaded Engram table (read with numpy), a dense-reference config (index_topk covering every
-position), training mode. Modes (`decode_step` of the engine args, `CEDLM_DECODE_STEP`):
-"compiled" (the default on the CPU), "cudagraph" (the default on CUDA: the static step captured
-as CUDA graphs over bucketed shapes, `step_graph.py`), "static" (the same static step without the
-compiler) and "eager" (`model.decode`); `CEDLM_REFERENCE_KERNELS=1` means "eager".
+a dense-reference config (index_topk covering every position), training mode. Modes
+(`decode_step` of the engine args, `CEDLM_DECODE_STEP`): "compiled" (the default on the CPU),
+"cudagraph" (the default on CUDA: the static step captured as CUDA graphs over bucketed shapes,
+`step_graph.py`), "static" (the same static step without the compiler) and "eager"
+(`model.decode`); `CEDLM_REFERENCE_KERNELS=1` means "eager".
 
 Devices: the host builds the step's inputs on the model's device (block tables, positions and
 counts from Python ints on the CPU, moved once; padded pools and pending rows made there) and
@@ -103,12 +105,14 @@ class CompiledDecode:
                 # The guards on the model's modules and parameters (hundreds of checks, measured
                 # at 2.8 ms of a 9 ms step) are dropped: this object compiles its own copy of the
                 # step for one model, whose structure does not change; what could change is
-                # checked by `why_not` before every call (decisions attached, Engram offloaded,
-                # training mode). The guards on the step's tensor inputs stay.
+                # checked by `why_not` before every call (decisions attached, training mode) or
+                # is an input (Engram rows looked up on the host when the table is offloaded:
+                # None or not, guarded). The guards on the step's tensor inputs stay.
                 "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-        # the modules whose state can take a call off the step (decisions, an offloaded table)
-        self._watched = [mod for mod in model.modules()
-                         if hasattr(mod, "decisions") or hasattr(mod, "host_table")]
+        # the modules whose state can take a call off the step (decisions), and the Engram
+        # modules (an offloaded table: its rows are looked up on the host, before the step)
+        self._watched = [mod for mod in model.modules() if hasattr(mod, "decisions")]
+        self._engrams = [mod for mod in model.modules() if hasattr(mod, "host_table")]
         self.compile_s: dict[str, float] = {}     # graph ("1", ">= 2", ...) -> seconds of its first call
         self.calls = self.fallbacks = 0
         self._said: set[str] = set()
@@ -139,8 +143,6 @@ class CompiledDecode:
         for mod in self._watched:
             if getattr(mod, "decisions", None) is not None:
                 return "decisions recorded or replayed"
-            if getattr(mod, "host_table", None) is not None:
-                return "Engram table offloaded to host memory"
         return None
 
     # ---------------------------------------------------------------- the call
@@ -276,11 +278,15 @@ class CompiledDecode:
         # host-built integers and the windows to the model's device (no-ops on the CPU)
         pos, hist, rings, ring_pos = (t.to(dev, non_blocking=True) for t in (pos, hist, rings, ring_pos))
         counts = {s: c.to(dev, non_blocking=True) for s, c in counts.items()}
+        engram = None                        # an offloaded table: its rows gathered on the host now
+        if any(e.host_table is not None for e in self._engrams):
+            engram = step_.engram_rows(self.model, ids, hist)
         if self.compile and B > 1:           # one graph for every batch size >= 2
             for t, d in ((ids, 0), (pos, 0), (hist, 0), (rings, 1), (ring_pos, 1), (table, 0),
-                         *((c, 0) for c in counts.values()), *((x, 0) for p in pending.values() for x in p)):
+                         *((c, 0) for c in counts.values()), *((x, 0) for p in pending.values() for x in p),
+                         *((e, 0) for e in (engram or {}).values())):
                 torch._dynamo.mark_dynamic(t, d)
-        return (ids, pos, hist, rings, ring_pos, pools, table, counts, pending), copied
+        return (ids, pos, hist, rings, ring_pos, pools, table, counts, pending, engram), copied
 
     def _pools(self, states):
         """Each row kind's pool and one block table for the batch (spare column at the end), and

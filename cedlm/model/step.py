@@ -89,7 +89,8 @@ class StepShapes:
         self.row_width = {s: lay.row("kv", s).width for s in self.sources}
 
 
-def decode_step(shapes: StepShapes, ids, pos, hist, rings, ring_pos, pools, table, counts, pending):
+def decode_step(shapes: StepShapes, ids, pos, hist, rings, ring_pos, pools, table, counts, pending,
+                engram=None):
     """One token per sequence (`shapes.flat`: one sequence whose rows are one contiguous buffer,
     the pool [1, capacity, width], read without the table).
 
@@ -97,7 +98,9 @@ def decode_step(shapes: StepShapes, ids, pos, hist, rings, ring_pos, pools, tabl
     rings [L, B, S, wb] uint8 and ring_pos [L, B, S] int64 (the windows before this step);
     pools: {("kv"|"idx", src): [nblocks, per_block, width] uint8}; table [B, nb] int64 block ids
     (a spare column at the end); counts {src: [B] int64 entries stored}; pending {src: (kv, gate)
-    [B, r-1, hd] fp32, rows < pos % r valid}.
+    [B, r-1, hd] fp32, rows < pos % r valid}; engram: {layer: [B, 1, width]} the Engram rows
+    looked up before the step (`engram_rows`; a table offloaded to host memory is read on the
+    host), or None: looked up here from ids and hist.
     Returns (logits [B, vocab] fp32, out) with out = {"window": [L, B, wb] new ring rows,
     "entries": {src: (kv bytes [B, w], idx bytes [B, w'] or None, emit [B] bool)},
     "pending": {src: (kv, gate)}, "topk": {layer: (idx, valid)}, "experts": {layer: ids}}.
@@ -112,7 +115,8 @@ def decode_step(shapes: StepShapes, ids, pos, hist, rings, ring_pos, pools, tabl
 
     x = model.embed(ids).view(B, 1, 1, -1).expand(-1, -1, cfg.hc_mult, -1)
     pre = first_pre(x)
-    engram = _engram_rows(model, ids, hist) if cfg.engram_layer_ids else {}
+    if engram is None:
+        engram = engram_rows(model, ids, hist) if cfg.engram_layer_ids else {}
     for l, layer in enumerate(model.layers):
         if hasattr(layer, "engram"):
             x = layer.engram(x, engram[l], None if image is None else image)
@@ -130,7 +134,8 @@ def decode_step(shapes: StepShapes, ids, pos, hist, rings, ring_pos, pools, tabl
     return logits, out
 
 
-def _engram_rows(model, ids, hist):
+def engram_rows(model, ids, hist):
+    """{Engram layer: [B, 1, width] its looked-up rows} for token ids [B] after history [B, h]."""
     cfg = model.cfg
     h = hist.shape[1]
     full = torch.cat((hist, ids.view(-1, 1)), 1)

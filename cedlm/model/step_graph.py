@@ -15,7 +15,8 @@ bucketed to powers of two and the inputs padded:
 - pools: the engine's block pool (and one sequence's contiguous rows) are read where they are,
   their addresses part of the graph's key (a pool that grows, a contiguous buffer that doubles,
   gets a graph of its own); several sequences' contiguous rows, which the host copies into one
-  padded pool per call anyway, go into a static pool of bucketed capacity instead.
+  padded pool per call anyway, go into a static pool of bucketed blocks and capacity instead
+  (so does a pool the host had to move from another device).
 
 Each call copies its inputs into the bucket's buffers (the padding rewritten every time, so no
 earlier call's rows linger), replays the graph, and returns views of the graph's outputs cut to
@@ -59,7 +60,7 @@ class _Graph:
     captured graph."""
 
     def __init__(self, fn, shapes, args, Bb: int, nbb: int, copied: bool):
-        ids, pos, hist, rings, ring_pos, pools, table, counts, pending = args
+        ids, pos, hist, rings, ring_pos, pools, table, counts, pending, engram = args
         self.fn, self.shapes = fn, shapes
         self.hist_pad = shapes.cfg.engram_pad_token_id
         B = ids.shape[0]
@@ -73,11 +74,13 @@ class _Graph:
         self.table = table.new_zeros(Bb, nbb)
         self.counts = {s: like(c) for s, c in counts.items()}
         self.pending = {s: (like(k), like(g)) for s, (k, g) in pending.items()}
+        self.engram = None if engram is None else {l: like(e) for l, e in engram.items()}
         self.copied = copied
-        # copied pools: one block per sequence, capacity bucketed. Pools read in place are not
-        # held here (an engine's pool dies with it): the call's own pools, at the addresses the
-        # key names, are what the graph was captured on.
-        self.pools = {k: p.new_zeros(Bb, bucket(p.shape[1]), p.shape[2])
+        # copied pools (one block per sequence, or a pool moved from another device): blocks and
+        # capacity bucketed. Pools read in place are not held here (an engine's pool dies with
+        # it): the call's own pools, at the addresses the key names, are what the graph was
+        # captured on.
+        self.pools = {k: p.new_zeros(bucket(p.shape[0]), bucket(p.shape[1]), p.shape[2])
                       for k, p in pools.items()} if copied else None
         self.graph = None
         self.out = None
@@ -85,11 +88,12 @@ class _Graph:
 
     def args(self, pools):
         return (self.ids, self.pos, self.hist, self.rings, self.ring_pos,
-                self.pools if self.copied else pools, self.table, self.counts, self.pending)
+                self.pools if self.copied else pools, self.table, self.counts, self.pending,
+                self.engram)
 
     def load(self, args) -> None:
         """Copy one call's inputs into the buffers; the padding rows and columns rewritten."""
-        ids, pos, hist, rings, ring_pos, pools, table, counts, pending = args
+        ids, pos, hist, rings, ring_pos, pools, table, counts, pending, engram = args
         B, nb = table.shape
         self.B = B
         _put(self.ids, ids, 0)
@@ -107,12 +111,14 @@ class _Graph:
         for s, (k, g) in pending.items():
             _put(self.pending[s][0], k, 0)
             _put(self.pending[s][1], g, 0)
+        for l, e in (engram or {}).items():
+            _put(self.engram[l], e, 0)
         if self.copied:
             for key, p in pools.items():
-                buf = self.pools[key]
-                buf[:B, : p.shape[1]].copy_(p, non_blocking=True)
-                buf[:B, p.shape[1]:].zero_()
-                buf[B:].zero_()
+                buf, (n, cap) = self.pools[key], p.shape[:2]
+                buf[:n, :cap].copy_(p, non_blocking=True)
+                buf[:n, cap:].zero_()
+                buf[n:].zero_()
 
     def capture(self, pools, mempool) -> None:
         """Warm the step up on a side stream (lazy initialisations, cuBLAS workspaces: nothing may
@@ -163,14 +169,15 @@ class StepGraphs:
         self.capture_s: dict[str, float] = {}     # graph label -> seconds to capture it
 
     def key(self, shapes, args, copied: bool) -> tuple:
-        """What one graph serves: flat or paged reads, the batch and table buckets, and the pools
-        (their addresses and shapes when read in place, the capacity bucket when copied)."""
+        """What one graph serves: flat or paged reads, the batch and table buckets, the pools
+        (their addresses and shapes when read in place, their buckets when copied), and whether
+        the Engram rows are an input (a table offloaded to host memory)."""
         ids, pools, table = args[0], args[5], args[6]
         if copied:
-            pk = tuple((k, bucket(p.shape[1])) for k, p in sorted(pools.items()))
+            pk = tuple((k, bucket(p.shape[0]), bucket(p.shape[1])) for k, p in sorted(pools.items()))
         else:
             pk = tuple((k, p.data_ptr(), tuple(p.shape)) for k, p in sorted(pools.items()))
-        return shapes.flat, bucket(ids.shape[0]), bucket(table.shape[1]), copied, pk
+        return shapes.flat, bucket(ids.shape[0]), bucket(table.shape[1]), copied, pk, args[9] is not None
 
     @staticmethod
     def label(key) -> str:
