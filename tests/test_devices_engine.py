@@ -239,6 +239,73 @@ def test_fidelity_measurement_is_the_same_under_the_implicit_device_guard():
         assert run() == ref
 
 
+@pytest.fixture(scope="module")
+def stage_model(tmp_path_factory, tok):
+    """A tiny model directory on the shipped tokenizer (the training stages' --init)."""
+    from cedlm import checkpoint as ck
+    from cedlm.config import ModelConfig
+    from cedlm.model import CEDModel
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny").replace(vocab_size=tok.vocab_size, engram_compressed_vocab_size=tok.vocab_size,
+                                             dspark_noise_token_id=tok.vocab_size - 1)
+    model = CEDModel(cfg)
+    ck.set_token_map(model, tok)
+    return ck.save_checkpoint(tmp_path_factory.mktemp("tiny") / "model", model, tok)
+
+
+def _stage_args(module, argv):
+    import argparse
+    p = argparse.ArgumentParser()
+    module.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_dspark_stage_steps_are_the_same_under_the_implicit_device_guard(stage_model, tmp_path):
+    """`cedlm train dspark`: the target pass, the drafter's forward and loss, backward and AdamW on
+    the model's device (host batches moved there): the same steps under the guard."""
+    from cedlm.train import dspark
+    from tests.test_chat_stage import make_corpus
+    corpus = make_corpus(tmp_path / "corpus")
+
+    def steps(out, guard):
+        st = dspark.DsparkStage(_stage_args(dspark, [
+            "--init", str(stage_model), "--out", str(out), "--data", str(corpus), "--cache-dir",
+            str(tmp_path / "cache"), "--batch-size", "2", "--seq-len", "24", "--anchors", "4",
+            "--updates-per-batch", "2", "--self-gen-seqs", "2", "--self-gen-prompt", "8", "--device", "cpu"]))
+        with implicit_device_guard() if guard else __import__("contextlib").nullcontext():
+            recs = [st.step(i) for i in range(3)]
+        return [(r["loss"], r["grad_norm"], r["kl"]) for r in recs]
+    assert steps(tmp_path / "a", True) == steps(tmp_path / "b", False)
+
+
+def test_chat_stage_steps_are_the_same_under_the_implicit_device_guard(stage_model, tmp_path):
+    """`cedlm train chat`: host batches moved to the device, masked loss, AdamW: the same steps
+    under the guard; the held-out loss too."""
+    from cedlm.train import chat
+    from cedlm.train.chat_eval import heldout_loss
+    from tests.test_chat_stage import make_corpus
+    corpus = make_corpus(tmp_path / "corpus")
+
+    def steps(out, guard):
+        st = chat.ChatStage(_stage_args(chat, [
+            "--init", str(stage_model), "--out", str(out), "--data", str(corpus), "--steps", "3",
+            "--batch-size", "2", "--max-len", "160", "--examples", "6", "--heldout", "2",
+            "--no-eval-before", "--no-progress", "--device", "cpu"]))
+        with implicit_device_guard() if guard else __import__("contextlib").nullcontext():
+            recs = [st.step(i) for i in range(2)]
+            held = heldout_loss(st.model, st.tok, st.heldout)
+        return [(r["loss"], r["grad_norm"]) for r in recs], held
+    assert steps(tmp_path / "a", True) == steps(tmp_path / "b", False)
+
+
+@pytest.mark.parametrize("stage", ["chat", "dspark"])
+def test_training_stages_check_the_device_first(stage, capsys):
+    rc, out, err = _cli(["train", stage, "--out", "/nonexistent/run", "--device", "cuda"], capsys)
+    assert rc == 2 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: device: 'cuda' needs a CUDA build"), err
+
+
 def test_train_device_per_rank():
     from cedlm.train.train import train_device
     assert train_device(None, 1, 0) == torch.device("cpu") == train_device("cpu", 2, 1)

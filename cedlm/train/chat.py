@@ -36,6 +36,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cedlm.train.runner import DEVICE_HELP
+from cedlm.util import describe_device
+
 DEFAULT_INIT = "cedlm/assets/model"
 
 
@@ -63,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=0, help="seed of the data and order (default 0)")
     a("--bias-update-rate", type=float, default=1e-3, help="MoE balancing bias step (default 1e-3)")
     a("--threads", type=int, default=1, help="torch threads (default 1)")
+    a("--device", default=None, help=DEVICE_HELP)
     a("--max-minutes", type=float, default=None, help="stop early (and save) after this wall time")
     a("--export", default=None, metavar="MODEL_DIR", help="also export the result here (BF16 model dir)")
     a("--no-progress", action="store_true", help="no per-step lines")
@@ -164,10 +168,11 @@ class ChatStage:
         from cedlm.checkpoint import load_model
         from cedlm.train.chat_data import ChatBatches, build_examples, corpus_documents
         from cedlm.train.optim import param_groups
-        from cedlm.train.runner import MetricsLog, TimeBudget, set_threads
+        from cedlm.train.runner import MetricsLog, TimeBudget, set_threads, stage_device
         set_threads(a.threads)
+        self.device = stage_device(a.device)          # before loading: a ValueError naming device
         self.a, self.out = a, Path(a.out)
-        self.model, self.tok = model, tok = load_model(a.init)
+        self.model, self.tok = model, tok = load_model(a.init, device=self.device)
         self.base_summary, self.base_args = base_metadata(Path(a.init))
         train_docs = corpus_documents(a.data, "train")
         val_docs = corpus_documents(a.data, "val")
@@ -179,7 +184,7 @@ class ChatStage:
         self.log(f"cedlm train chat: {model.num_parameters() / 1e6:.2f}M params from {a.init}; "
                  f"{len(self.examples)} conversations ({time.time() - t0:.1f} s), {len(self.heldout)} held "
                  f"out; {a.steps} steps x {a.batch_size} rows, text fraction {a.text_fraction}, "
-                 f"{a.threads} thread(s)")
+                 f"{a.threads} thread(s), device {describe_device(self.device)}")
         self.summary = self.start_summary()
         self.out.mkdir(parents=True, exist_ok=True)
         model.train()
@@ -213,7 +218,7 @@ class ChatStage:
         a, t1 = self.a, time.time()
         lr = cosine_lr(i, peak=a.lr, min_lr=a.min_lr, warmup=a.warmup, total=a.steps)
         set_lr(self.opt, lr)
-        ids, mask, is_text = self.batches.next_batch()
+        ids, mask, is_text = (t.to(self.device, non_blocking=True) for t in self.batches.next_batch())
         loss, rows = masked_loss(self.model, ids, mask)
         loss.backward()
         gn = clip_and_step(self.opt, self.model.parameters(), a.grad_clip)

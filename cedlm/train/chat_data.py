@@ -366,17 +366,18 @@ class ChatBatches:
                 return ids[:length]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(ids [B, T] int64, mask [B, T] int64 (1 = a target token), is_text [B] bool)."""
+        """(ids [B, T] int64, mask [B, T] int64 (1 = a target token), is_text [B] bool), on the
+        host (the stage moves them to its device)."""
         if not self.queue:
             self._refill()
         chat = [self.examples[i] for i in self.queue.pop()]
         length = max(len(e.ids) for e in chat)
         rows = [(e.ids, e.mask) for e in chat]
         rows += [(w, [1] * length) for w in (self.text_window(length) for _ in range(self.n_text))]
-        ids = torch.full((len(rows), length), self.tok.pad_id, dtype=torch.int64)
-        mask = torch.zeros((len(rows), length), dtype=torch.int64)
+        ids = torch.full((len(rows), length), self.tok.pad_id, dtype=torch.int64, device="cpu")
+        mask = torch.zeros((len(rows), length), dtype=torch.int64, device="cpu")
         for r, (i, m) in enumerate(rows):
-            ids[r, : len(i)] = torch.tensor(i)
-            mask[r, : len(m)] = torch.tensor(m)
-        is_text = torch.tensor([False] * len(chat) + [True] * self.n_text)
+            ids[r, : len(i)] = torch.tensor(i, device="cpu")
+            mask[r, : len(m)] = torch.tensor(m, device="cpu")
+        is_text = torch.tensor([False] * len(chat) + [True] * self.n_text, device="cpu")
         return ids, mask, is_text

@@ -33,10 +33,11 @@ def named_sources(reply: str) -> set[str]:
 def heldout_loss(model, tokenizer, examples: list[ChatExample]) -> float:
     """Mean cross-entropy over the assistant tokens of `examples` (one forward per example)."""
     tot, n = 0.0, 0
+    dev = next(model.parameters()).device
     for e in examples:
-        ids = torch.tensor([e.ids])
+        ids = torch.tensor([e.ids], device=dev)
         logits = model(ids[:, :-1])[0]
-        m = torch.tensor(e.mask[1:], dtype=torch.bool)
+        m = torch.tensor(e.mask[1:], dtype=torch.bool, device=dev)
         ce = torch.nn.functional.cross_entropy(logits[m], ids[0, 1:][m], reduction="sum")
         tot, n = tot + ce.item(), n + int(m.sum())
     return tot / max(1, n)

@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cedlm.util import atomic_directory
+from cedlm.train.runner import DEVICE_HELP
+from cedlm.util import atomic_directory, describe_device
 
 DEFAULT_INIT = "cedlm/assets/model"
 
@@ -67,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="fraction of each batch from the generated sequences (default 0.75)")
     a("--seed", type=int, default=0, help="seed (default 0)")
     a("--threads", type=int, default=1, help="torch threads (default 1)")
+    a("--device", default=None, help=DEVICE_HELP)
     a("--max-minutes", type=float, default=None, help="stop early (and save) after this wall time")
     a("--log-every", type=int, default=10, help="steps between log lines (default 10)")
 
@@ -76,7 +78,7 @@ def init_from_target(model) -> None:
     """Start every draft layer from the target's last layer (see the module docstring)."""
     from cedlm.model.dspark import build_mtp
     cfg = model.cfg
-    model.mtp = build_mtp(cfg)
+    model.mtp = build_mtp(cfg).to(model.device)      # drawn on the host, then beside the target
     last = model.layers[cfg.n_layers - 1].state_dict()
     for st in model.mtp:
         own = st.state_dict()
@@ -85,7 +87,7 @@ def init_from_target(model) -> None:
     last_st, D = model.mtp[-1], cfg.hidden_size
     last_st.norm.weight.data.copy_(model.norm.weight.data)
     n = len(cfg.dspark_target_layer_ids)
-    model.mtp[0].main_proj.weight.data.copy_(torch.eye(D).repeat(1, n) / n)
+    model.mtp[0].main_proj.weight.data.copy_(torch.eye(D, device=model.device).repeat(1, n) / n)
     torch.nn.init.zeros_(last_st.markov_head.head.weight)
     torch.nn.init.zeros_(last_st.confidence_head.proj.weight)
 
@@ -105,7 +107,7 @@ def draft_loss(model, ids, logits, taps, anchors, conf_weight: float):
     from cedlm.model import dspark
     N = model.cfg.dspark_block_size
     h = dspark.full_forward(model, ids, taps, anchors)                       # [B, K, N, D]
-    at = anchors.unsqueeze(-1) + torch.arange(N)                            # positions of the rows
+    at = anchors.unsqueeze(-1) + torch.arange(N, device=anchors.device)     # positions of the rows
     B, K = anchors.shape
     flat = at.flatten(1)
     prev = ids.gather(1, flat).view(B, K, N)                                 # Markov: token at the row
@@ -145,7 +147,7 @@ def self_generate(model, tokens, n_seqs: int, prompt_len: int, total_len: int, s
                 break
             nxt = model.decode(nxt, states).argmax(-1).tolist()
         out += seqs
-    return torch.tensor(out, dtype=torch.int64)
+    return torch.tensor(out, dtype=torch.int64, device="cpu")              # host ids, as the corpus
 
 
 def export_drafter(init_dir: Path, model, dst: Path) -> Path:
@@ -155,7 +157,7 @@ def export_drafter(init_dir: Path, model, dst: Path) -> Path:
     with atomic_directory(dst) as tmp:
         shutil.copytree(init_dir, tmp, ignore=shutil.ignore_patterns("mtp.safetensors"), dirs_exist_ok=True)
         mtp = {f"mtp.{k}": (v.to(torch.bfloat16) if v.is_floating_point() and k.endswith("weight") else v)
-               .detach().contiguous() for k, v in model.mtp.state_dict().items()}
+               .detach().cpu().contiguous() for k, v in model.mtp.state_dict().items()}
         save_file(mtp, str(tmp / "mtp.safetensors"), metadata={"format": "pt"})
     return dst
 
@@ -171,14 +173,16 @@ class DsparkStage:
         from cedlm.data.tokens import token_cache
         from cedlm.model.dspark import check_dspark_config
         from cedlm.train.data import BatchSampler
-        from cedlm.train.runner import MetricsLog, TimeBudget, set_threads
+        from cedlm.train.runner import MetricsLog, TimeBudget, set_threads, stage_device
         for n in ("steps", "batch_size", "seq_len", "anchors", "threads", "updates_per_batch"):
             if getattr(args, n) <= 0:
                 raise ValueError(f"--{n.replace('_', '-')}: must be positive, got {getattr(args, n)}")
         set_threads(args.threads)
+        self.device = stage_device(args.device)       # before loading: a ValueError naming device
         torch.manual_seed(args.seed)
         self.args, self.init = args, resolve_checkpoint(args.init)
-        self.model, self.tok = model, tok = load_model(self.init)
+        self.model, self.tok = model, tok = load_model(self.init, device=self.device)
+        print(f"cedlm train dspark: device {describe_device(self.device)}", flush=True)
         check_dspark_config(model.cfg)
         self.N = N = model.cfg.dspark_block_size
         if args.seq_len < N + 1:
@@ -223,12 +227,14 @@ class DsparkStage:
         if i % args.updates_per_batch == 0:
             ids, _ = self.sampler.next_batch()
             if self.gen is not None:          # part of the batch: the target's own continuations
-                pick = torch.randint(0, self.gen.shape[0], (self.n_gen,), generator=g)
+                pick = torch.randint(0, self.gen.shape[0], (self.n_gen,), generator=g, device="cpu")
                 ids = torch.cat((ids[: ids.shape[0] - self.n_gen], self.gen[pick]))
+            ids = ids.to(self.device, non_blocking=True)     # host batches, device passes
             self.batch.update(ids=ids, target=target_pass(self.model, ids))
         ids = self.batch["ids"]
-        anchors = torch.stack([torch.randperm(args.seq_len - self.N + 1, generator=g)[:args.anchors].sort().values
-                               for _ in range(ids.shape[0])])
+        span = args.seq_len - self.N + 1                 # drawn on the host (the CPU generator g)
+        anchors = torch.stack([torch.randperm(span, generator=g, device="cpu")[:args.anchors].sort().values
+                               for _ in range(ids.shape[0])]).to(self.device, non_blocking=True)
         loss, st = draft_loss(self.model, ids, *self.batch["target"], anchors, args.conf_weight)
         loss.backward()
         gn = clip_and_step(self.opt, self.params, 1.0)

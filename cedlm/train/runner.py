@@ -9,7 +9,7 @@ as `step(i) -> record`, optionally an evaluation and a save; `run_steps` runs th
         metrics.jsonl  += rec; progress bar / report(rec)
         save()          when every `save_every` steps, and at the last step
 
-Besides the loop: `set_threads`, `TimeBudget` (--max-minutes / --minutes), `MetricsLog` (the one
+Besides the loop: `set_threads`, `stage_device` (--device), `TimeBudget` (--max-minutes / --minutes), `MetricsLog` (the one
 metrics.jsonl writer), `write_json` (summary.json and friends), `plot_loss` (loss.png) and
 `save_model` (the run's `checkpoint/`). The learning-rate schedule and the optimizer step are
 `cedlm.train.optim`.
@@ -39,6 +39,16 @@ def set_threads(n: int | None) -> int:
         raise ValueError(f"--threads: must be >= 1, got {n}")
     torch.set_num_threads(n or default_threads())
     return torch.get_num_threads()
+
+
+DEVICE_HELP = "auto (default: CUDA when this torch build sees a GPU, else the CPU), cpu, cuda or cuda:N"
+
+
+def stage_device(spec) -> torch.device:
+    """The device a stage trains on, for its `--device spec` (`cedlm.util.resolve_device`: a
+    ValueError naming `device` for one this torch cannot use); resolved before the model loads."""
+    from cedlm.util import resolve_device
+    return resolve_device(spec, "device")
 
 
 class TimeBudget:
