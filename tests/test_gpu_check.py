@@ -210,3 +210,9 @@ def test_codec_comparison_reports_differing_rows():
     assert gpu_exact._bytes_equal(x, y) == {"equal": False, "rows_differing": 1}
     f = torch.tensor([[float("nan"), 1.0]])
     assert gpu_exact._values_equal(f, f.clone())["equal"]
+    # a case that raises is recorded in its row; the others still run
+    r = gpu_exact.codecs(CPU, rows=4, cases=(("no_such_format", 128), ("index_fp4", 64)))
+    assert "no_such_format" in r["rows"][0]["error"] and r["rows"][1]["identical"]
+    assert not r["identical"] and "failed" in gpu_exact.table({"codecs": r})
+    lg = gpu_exact.logits(CPU, presets=("no_such_preset",), tokens=4, log=lambda s: None)
+    assert not lg["within_tolerance"] and "no_such_preset" in lg["rows"][0]["error"]
