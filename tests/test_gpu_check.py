@@ -138,6 +138,9 @@ def test_decode_cells_are_skipped_with_their_reason(monkeypatch):
     assert row["ced"]["status"] == "skipped" and "cap" in row["ced"]["reason"]
     assert row["hf"] == {"status": "skipped", "reason": "not installed here"}
     assert row["ced_over_hf"] is None and len(seen) == 1 and r["status"] == "done"
+    r = gpu_decode.decode_throughput(CPU, batches=(1,), contexts=(16,), new_tokens=1, repeats=1,
+                                     preset="tiny", decode_step="bogus", log=lambda s: None)
+    assert r["rows"][0]["ced"]["status"] == "failed" and "bogus" in r["rows"][0]["ced"]["error"]
 
 
 def test_a_cell_that_raises_or_overruns_is_recorded_as_failed():

@@ -181,17 +181,25 @@ def decode_throughput(device: torch.device, batches=BATCHES, contexts=CONTEXTS, 
     clock = Clock(budget_s)
     torch.manual_seed(seed)
     ced = CEDModel(ModelConfig.preset(preset)).eval().to(device)
-    step = ced_decode_fn(ced, decode_step)
     params = ced.num_parameters(exclude_engram=True)
+    step, step_error = None, None
+    try:
+        step = ced_decode_fn(ced, decode_step)
+    except Exception as e:                  # a bad mode, a step that cannot be set up here
+        step_error = f"the CED decode step could not be made: {type(e).__name__}: {e}"
     tf, how = ensure_transformers(False, log)
     hf = None
     if tf is not None:
-        hf = llama_for(tf, params, ced.cfg, max(contexts) + new_tokens + 512).to(device)
+        try:
+            hf = llama_for(tf, params, ced.cfg, max(contexts) + new_tokens + 512).to(device)
+        except Exception as e:              # the CED cells still run
+            how = f"the HF Llama could not be built: {type(e).__name__}: {e}"
     margin = new_tokens * (repeats + 2) + 64
     res = {"config": {"device": str(device), "preset": preset, "batches": list(batches),
                       "contexts": list(contexts), "new_tokens": new_tokens, "repeats": repeats,
                       "cell_cap_s": cell_cap_s, "budget_s": budget_s,
-                      "memory_cap_bytes": memory_cap_bytes, "ced_decode_step": step.mode,
+                      "memory_cap_bytes": memory_cap_bytes,
+                      "ced_decode_step": step.mode if step is not None else step_error,
                       "ced_params_without_engram_tables": params, "transformers": how,
                       "hf_params": sum(p.numel() for p in hf.parameters()) if hf is not None else None},
            "rows": [], "status": "running"}
@@ -205,6 +213,8 @@ def decode_throughput(device: torch.device, batches=BATCHES, contexts=CONTEXTS, 
                 need = layout_bytes if eng == "ced" else (5 * hf_cache_bytes(hf, B, C) // 4 if hf else 0)
                 if eng == "hf" and hf is None:
                     row[eng] = {"status": "skipped", "reason": how}
+                elif eng == "ced" and step is None:
+                    row[eng] = {"status": "failed", "error": step_error}
                 elif need > memory_cap_bytes:
                     row[eng] = {"status": "skipped", "reason": f"cache {need / GIB:.1f} GiB > the "
                                 f"cap of {memory_cap_bytes / GIB:.0f} GiB"}
