@@ -81,7 +81,11 @@ def adversarial(fmt: str) -> torch.Tensor:
             torch.zeros(2, dim), torch.full((1, dim), -0.0)]
     perm = sweep[torch.randperm(sweep.numel(), generator=g)]
     rows.append(perm[: perm.numel() // dim * dim].view(-1, dim))
-    return torch.cat(rows)
+    x = torch.cat(rows)
+    if fmt == "v4_fp8":     # its RoPE dims are a bf16 cast: a NaN's bits are each kernel's own
+        rope = x[:, dim - f.rope:]
+        rope[torch.isnan(rope)] = 1.0
+    return x
 
 
 def reference_outputs(x: torch.Tensor, fmt: str):
@@ -133,6 +137,24 @@ def test_codecs_on_device_match_cpu_reference(device, fmt):
     assert_matches_reference(fmt, device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["kv_fp4", "index_fp4", "window_fp8"])
+def test_reference_on_device_matches_cpu_reference(device, fmt):
+    """The readable reference itself (``CEDLM_REFERENCE_KERNELS=1``) on ``device``."""
+    prev = gate.set_reference_kernels(True)
+    try:
+        assert_matches_reference(fmt, device)
+    finally:
+        gate.set_reference_kernels(prev)
+
+
+def test_e4m3_decode_is_the_float8_cast():
+    """``numerics.e4m3_decode`` (bit arithmetic) gives torch's float8_e4m3fn cast's bits on the
+    CPU, for all 256 bytes, NaNs included."""
+    b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    assert torch.equal(bits(N.e4m3_decode(b)), bits(b.view(torch.float8_e4m3fn).to(torch.float32)))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_device_path_on_cpu_matches_reference(device_path, fmt):
     assert_matches_reference(fmt, "cpu")
@@ -175,8 +197,11 @@ def test_cuda_like_arithmetic_bites():
     assert bits(n).tolist() == [0x7FFFFFFF, 0x7FFFFFFF]
 
 
+@pytest.mark.parametrize("path", ["device", "reference"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_device_path_ignores_cuda_arithmetic(device_path, fmt):
+def test_device_path_ignores_cuda_arithmetic(device_path, fmt, path):
+    """The GPU's path (and the readable reference) under CUDA's arithmetic: the same bits."""
+    gate.set_reference_kernels(path == "reference")      # the fixture restores it
     x = adversarial(fmt)
     b_ref, d_ref, q_ref, raw, raw_ref = reference_outputs(x, fmt)
     dim = x.shape[-1]

@@ -192,9 +192,22 @@ def e4m3_encode(t: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
     return t.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
+_E4M3_NAN_F32_BITS = 0x7FF00000   # the float32 NaN torch's CPU float8 cast gives E4M3's NaN
+
+
 def e4m3_decode(b: torch.Tensor) -> torch.Tensor:
-    """uint8 E4M3 bits -> float32 (exact)."""
-    return b.view(torch.float8_e4m3fn).to(torch.float32)
+    """uint8 E4M3 bits -> float32, exactly, from the bits (the same value as torch's
+    ``float8_e4m3fn`` cast, all 256 bytes checked, and the same NaN bits on every device):
+    exponent field e > 0: float32 bits (e + 120) << 23 | m << 20; e = 0: m * 2^-9 (an exact
+    product); 0x7F / 0xFF: the NaN 0x7FF00000 with the byte's sign (what the cast gives on the
+    CPU; a GPU's conversion may give its canonical NaN instead)."""
+    bi = b.to(torch.int32)
+    e, m = (bi >> 3) & 0xF, bi & 0x7
+    mag = ((e + 120) << 23) | (m << 20)
+    mag = torch.where(e == 0, (m.to(torch.float32) * 2.0 ** -9).view(torch.int32), mag)
+    mag = torch.where((bi & 0x7F) == E4M3_NAN, _E4M3_NAN_F32_BITS, mag)
+    sign = torch.where(bi >= 0x80, -1.0, 1.0).to(torch.float32)
+    return torch.copysign(mag.view(torch.float32), sign)
 
 
 def e4m3_round(t: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
