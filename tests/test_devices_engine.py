@@ -298,7 +298,32 @@ def test_chat_stage_steps_are_the_same_under_the_implicit_device_guard(stage_mod
     assert steps(tmp_path / "a", True) == steps(tmp_path / "b", False)
 
 
-@pytest.mark.parametrize("stage", ["chat", "dspark"])
+def test_indexer_stage_steps_are_the_same_under_the_implicit_device_guard(tmp_path):
+    """`cedlm train indexer`: the dense warm-up and a whole-model sparse step (indexer probe, KL,
+    LM loss, AdamW) on the model's device: the same steps under the guard."""
+    from pathlib import Path
+
+    from cedlm.checkpoint import save_checkpoint
+    from cedlm.engine.loader import load_any
+    from cedlm.train import indexer
+    model, tok = load_any("tiny", seed=3)
+    save_checkpoint(tmp_path / "init", model, tok)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.txt").write_text((Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8"))
+
+    def steps(out, guard):
+        st = indexer.IndexerStage(_stage_args(indexer, [
+            "--init", str(tmp_path / "init"), "--out", str(out), "--data", str(data), "--seq-len", "128",
+            "--items", "1", "--min-gap", "16", "--warmup-steps", "1", "--steps", "1", "--no-progress",
+            "--device", "cpu"]))
+        with implicit_device_guard() if guard else __import__("contextlib").nullcontext():
+            recs = [st.step(i) for i in range(2)]
+        return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "elapsed")} for r in recs]
+    assert steps(tmp_path / "a", True) == steps(tmp_path / "b", False)
+
+
+@pytest.mark.parametrize("stage", ["chat", "dspark", "indexer"])
 def test_training_stages_check_the_device_first(stage, capsys):
     rc, out, err = _cli(["train", stage, "--out", "/nonexistent/run", "--device", "cuda"], capsys)
     assert rc == 2 and "Traceback" not in err

@@ -51,8 +51,9 @@ from cedlm.data.retrieval import repeat_sequence, training_sequence
 from cedlm.data.tokens import token_cache
 from cedlm.model.probe import IndexerProbe, distill_kl, topk_recall
 from cedlm.train.optim import clip_and_step, cosine_lr, update_moe_bias
-from cedlm.train.runner import (MetricsLog, StepLoop, TimeBudget, progress_bar, run_steps, save_model,
-                                set_threads, write_json)
+from cedlm.train.runner import (DEVICE_HELP, MetricsLog, StepLoop, TimeBudget, progress_bar, run_steps,
+                                save_model, set_threads, stage_device, write_json)
+from cedlm.util import describe_device
 
 DEFAULT_INIT = "cedlm/assets/model"
 
@@ -164,9 +165,10 @@ class IndexerStage:
 
     def __init__(self, args: argparse.Namespace):
         set_threads(args.threads)
+        self.device = stage_device(args.device)       # before loading: a ValueError naming device
         torch.manual_seed(args.seed)
         try:
-            self.model, self.tok = model, tok = ckpt_io.load_model(args.init)
+            self.model, self.tok = model, tok = ckpt_io.load_model(args.init, device=self.device)
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"--init: {e}") from None
         if not (0 <= args.repeat_fraction and args.retrieval_fraction + args.repeat_fraction <= 1):
@@ -192,6 +194,7 @@ class IndexerStage:
         self.cost = {p: {"steps": 0, "tokens": 0, "wall_s": 0.0}
                      for p in ("dense", phase_name(True, args.selection == "dense"))}
         model.train()
+        print(f"cedlm train indexer: device {describe_device(self.device)}", file=sys.stderr, flush=True)
 
     def step(self, i: int) -> dict:
         args, model = self.args, self.model
@@ -199,7 +202,8 @@ class IndexerStage:
         j = i - args.warmup_steps if whole else i
         set_trainable(model, indexer_only=not whole)
         ts = time.time()
-        x, y, ans = batch_of(self.rng, self.tokens, self.tok, args)
+        x, y, ans = (t.to(self.device, non_blocking=True)     # drawn on the host
+                     for t in batch_of(self.rng, self.tokens, self.tok, args))
         if whole:
             rec = step(model, self.opt, x, y, ans, args, True, lr_at(j, args.steps, args.lr, args.lr_warmup),
                        lr_at(j, args.steps, args.indexer_lr, 1), dense=args.selection == "dense")
@@ -221,7 +225,7 @@ class IndexerStage:
     def finish(self) -> dict:
         args, out, n = self.args, self.out, len(self.metrics)
         self.model.eval()
-        saved = {k: v for k, v in vars(args).items() if k not in ("progress", "threads")}
+        saved = {k: v for k, v in vars(args).items() if k not in ("progress", "threads", "device")}
         save_model(out, self.model, self.tok, training_args={**saved, "stage": "indexer", "step": n})
         _plot(self.metrics.records, out)
         summary = {"stage": "indexer", "init": str(args.init), "seq_len": args.seq_len,
@@ -309,6 +313,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--bias-update-rate", type=float, default=1e-3, help="MoE balancing bias step (default 1e-3)")
     a("--seed", type=int, default=1234)
     a("--threads", type=int, default=1, help="torch threads (default 1)")
+    a("--device", default=None, help=DEVICE_HELP)
     a("--max-minutes", type=float, help="stop and save after this wall time")
     a("--stop-at-step", type=int, help="stop and save after this step (counting the warm-up), "
       "keeping the schedule of --steps (to repeat a run that --max-minutes stopped)")
