@@ -46,10 +46,12 @@ operation, so CPU and CUDA give the same bits for the same inputs:
   multiplication); the device path has no host sync, and its constants are fill kernels
   (``torch.full``), so a CUDA graph can capture it once the tables are on the device.
 
-Not covered: the readable reference itself run on CUDA goes through torch's float8 casts, exact
-for every finite value but free in the NaN bits its E4M3 decode gives; bf16 entries (``bf16``,
-v4_fp8's RoPE, outside the V4.1 formats) keep whatever bits each device's cast gives a NaN
-(0xFFFF from this CPU's kernels; CUDA's conversion makes its own canonical NaN).
+The readable reference (``formats``) follows the same rules (its E4M3 decode is bit arithmetic,
+its float8 encode cast meets only finite values once the NaN rules are applied), so it too gives
+the same bits on CUDA. Assumed of the process: subnormals kept (``torch.set_flush_denormal``
+off, torch's default; cedlm never sets it). Not covered: bf16 entries (``bf16``, v4_fp8's RoPE;
+outside the V4.1 formats) keep whatever bits each device's cast gives a NaN (0xFFFF from this
+CPU's kernels; CUDA's conversion makes its own canonical NaN).
 """
 
 from __future__ import annotations
