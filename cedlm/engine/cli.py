@@ -109,7 +109,8 @@ def _run(args) -> int:
     stats = {
         "prompt_tokens": len(out.prompt_token_ids), "generated_tokens": len(out.token_ids),
         "tokens_per_s": len(out.token_ids) / dt if dt > 0 else None, "elapsed_s": dt,
-        "load_s": t1 - t0, "device": device, "decode_step_compile_s": compile_s, "finish_reason": out.finish_reason,
+        "load_s": t1 - t0, "device": device, "decode_step_compile_s": compile_s,
+        "finish_reason": out.finish_reason,
         "kv_bytes_per_token": st["kv_bytes_per_token"],
         "kv_bytes_peak": dict(llm.engine.peak), "prefix_cache_queries": st["prefix_queries"],
         "prefix_cache_hits": st["prefix_hits"], "encoder_tokens": st["encoder_tokens"],

@@ -66,7 +66,8 @@ def variant_model(base, tokenizer, setting: Setting):
     """The base model's weights under the setting's config (and indexer swap), in eval mode."""
     cfg = base.cfg.replace(**setting.overrides) if setting.overrides else base.cfg
     with torch.device("cpu"):       # built on the host as every loaded model is, then moved
-        m = build_model(cfg, dspark=getattr(base, "mtp", None) is not None)   # a model that ships mtp.safetensors
+        # dspark: a model that ships mtp.safetensors keeps its drafter
+        m = build_model(cfg, dspark=getattr(base, "mtp", None) is not None)
     state = base.state_dict()
     if setting.indexer_state is not None:
         missing = [k for k in setting.indexer_state if k not in state]

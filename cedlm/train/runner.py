@@ -9,10 +9,10 @@ as `step(i) -> record`, optionally an evaluation and a save; `run_steps` runs th
         metrics.jsonl  += rec; progress bar / report(rec)
         save()          when every `save_every` steps, and at the last step
 
-Besides the loop: `set_threads`, `stage_device` (--device), `TimeBudget` (--max-minutes / --minutes), `MetricsLog` (the one
-metrics.jsonl writer), `write_json` (summary.json and friends), `plot_loss` (loss.png) and
-`save_model` (the run's `checkpoint/`). The learning-rate schedule and the optimizer step are
-`cedlm.train.optim`.
+Besides the loop: `set_threads`, `stage_device` (--device), `TimeBudget` (--max-minutes /
+--minutes), `MetricsLog` (the one metrics.jsonl writer), `write_json` (summary.json and
+friends), `plot_loss` (loss.png) and `save_model` (the run's `checkpoint/`). The learning-rate
+schedule and the optimizer step are `cedlm.train.optim`.
 """
 from __future__ import annotations
 
