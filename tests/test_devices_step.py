@@ -19,7 +19,6 @@ import copy
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from cedlm.cache.block_pool import BlockPool, BlockTable
 from cedlm.checkpoint import load_model
@@ -91,48 +90,16 @@ def test_step_under_implicit_device_guard_is_bit_identical(shipped, mode, paged)
 
 
 # ---------------------------------------------------------------- fake CUDA
-class _FakeIndexing(TorchFunctionMode):
-    """Python indexing (`x[i]`, `x[i] = v`) of fake CUDA tensors on the CPU wheel: the indexing
-    code takes a CUDA device guard, which this build lacks ("PyTorch is not linked with support
-    for cuda devices"), so the operands are reported as meta for that call (shapes and dtypes
-    unchanged) and the result as CUDA again. A tensor index on another device than the indexed
-    tensor raises, as the fake mode does for any other op (a CUDA build would copy it silently).
-    Only needed where `fake_cuda` fakes the device "cuda" itself (tests/devices.py may fake it
-    as meta on the CPU wheel, for the same reason); a no-op otherwise."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import FakeTensor
-        kwargs = kwargs or {}
-        if func not in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
-            return func(*args, **kwargs)
-        tensors = [t for t in torch.utils._pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
-        dev = args[0].device
-        for t in tensors[1:]:
-            if t.device != dev and not (t.dim() == 0 and func is torch.Tensor.__setitem__):
-                raise RuntimeError(f"indexing a tensor on {dev} with a tensor on {t.device}")
-        saved = [(t, t.fake_device) for t in tensors if isinstance(t, FakeTensor)]
-        for t, _ in saved:
-            t.fake_device = torch.device("meta")
-        try:
-            out = func(*args, **kwargs)
-        finally:
-            for t, d in saved:
-                t.fake_device = d
-        if isinstance(out, FakeTensor):
-            out.fake_device = dev
-        return out
-
-
 @contextlib.contextmanager
 def _fake_model():
     """A fresh shipped model (not yet fused: the fused and stacked weights are made from the fake
-    parameters) on the fake CUDA device, inside its mode; yields (model, its device)."""
+    parameters) on the fake CUDA device (`FAKE_DEVICE`: meta on the CPU wheel, where views of
+    fake cuda tensors fail), inside its mode; yields (model, its device)."""
     fake, mode = fake_cuda(load_model("cedlm/assets/model")[0].eval())
     with mode:
         dev = next(fake.parameters()).device
         assert dev.type != "cpu"
-        with _FakeIndexing() if dev.type == "cuda" else contextlib.nullcontext():
-            yield fake, dev
+        yield fake, dev
 
 
 @torch.no_grad()

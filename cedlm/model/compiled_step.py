@@ -168,6 +168,7 @@ class CompiledDecode:
         self.write_back(toks, states, out)
         return logits
 
+    @torch.no_grad()
     def forward(self, ids: torch.Tensor, states: list[SequenceState], paged: bool | None = None):
         """(logits [B, vocab], out) of the step for these states (see `step.decode_step`), nothing
         written back: the static step compiled, replayed as a CUDA graph or called, by mode. A
@@ -268,12 +269,15 @@ class CompiledDecode:
                   for s in self.shapes.sources}
         pending = {}
         for s, r in self.shapes.ratio.items():
-            if r > 1:
-                d = states[0].pending[s][0].shape[1]
+            if r > 1:                        # every sequence's rows in one copy (not one per row)
+                ks, gs = zip(*(st.pending[s] for st in states))
+                d = ks[0].shape[1]
                 pk, pg = torch.zeros(B, r - 1, d, device=dev), torch.zeros(B, r - 1, d, device=dev)
-                for b, st in enumerate(states):
-                    k, g = st.pending[s]
-                    pk[b, : k.shape[0]], pg[b, : g.shape[0]] = k, g
+                at = [b * (r - 1) + j for b, k in enumerate(ks) for j in range(k.shape[0])]
+                if at:
+                    at = torch.tensor(at, dtype=torch.int64, device="cpu").to(dev, non_blocking=True)
+                    pk.view(B * (r - 1), d).index_copy_(0, at, torch.cat(ks).to(dev, non_blocking=True))
+                    pg.view(B * (r - 1), d).index_copy_(0, at, torch.cat(gs).to(dev, non_blocking=True))
                 pending[s] = (pk, pg)
         # host-built integers and the windows to the model's device (no-ops on the CPU)
         pos, hist, rings, ring_pos = (t.to(dev, non_blocking=True) for t in (pos, hist, rings, ring_pos))
@@ -340,6 +344,10 @@ class CompiledDecode:
         win = out["window"]                                           # [L, B, wb]
         S = states[0].window_all.shape[1]
         toks = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        # the pending rows: one copy of the batch's per source, each state keeping its rows (a
+        # view of it; pending rows are replaced, never written in place)
+        dev0 = states[0].window_all.device
+        pend = {s: (pk.to(dev0, copy=True), pg.to(dev0, copy=True)) for s, (pk, pg) in out["pending"].items()}
         for b, st in enumerate(states):
             p, sdev = st.num_tokens, st.window_all.device
             st.window_all[:, p % S] = win[:, b]
@@ -350,8 +358,8 @@ class CompiledDecode:
                     st.kv[s].append(main[b: b + 1])
                     if idx is not None:
                         st.index[s].append(idx[b: b + 1])
-            for s, (pk, pg) in out["pending"].items():
+            for s, (pk, pg) in pend.items():
                 n = (p + 1) % self.shapes.ratio[s]
-                st.pending[s] = (pk[b, :n].to(sdev, copy=True), pg[b, :n].to(sdev, copy=True))
+                st.pending[s] = (pk[b, :n].to(sdev), pg[b, :n].to(sdev))
             st.token_ids.append(toks[b])
             st.num_tokens = p + 1
