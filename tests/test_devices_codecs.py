@@ -107,7 +107,8 @@ def assert_matches_reference(fmt: str, device: str | torch.device) -> None:
     assert bad.numel() == 0, f"{fmt} on {device}: encode differs at {bad[:5].tolist()}"
     for name, got, ref in (("decode", decode(b, fmt, dim), d_ref),
                            ("quant_dequant", quant_dequant(xd, fmt), q_ref),
-                           ("decode(every byte)", decode(raw.to(device), fmt, F.get_format(fmt).default_dim), raw_ref)):
+                           ("decode(every byte)",
+                            decode(raw.to(device), fmt, F.get_format(fmt).default_dim), raw_ref)):
         assert got.dtype == torch.float32 and got.shape == ref.shape, name
         diff = (bits(got) != bits(ref)).nonzero()
         assert diff.numel() == 0, f"{fmt} on {device}: {name} differs at {diff[:5].tolist()}"
@@ -285,7 +286,8 @@ def _op_args(dev: str):
     i64, b = torch.int64, torch.bool
     return {
         "encode": ((e(B, T, 512), "kv_fp4"), [((B, T, 288), torch.uint8)]),
-        "decode": ((e(B, T, 528, dt=torch.uint8), "window_fp8", 512), [((B, T, 512), torch.float32)]),
+        "decode": ((e(B, T, 528, dt=torch.uint8), "window_fp8", 512),
+                   [((B, T, 512), torch.float32)]),
         "quant_dequant": ((e(B, T, 128), "index_fp4"), [((B, T, 128), torch.float32)]),
         "index_score": ((e(B, T, H, hd), e(B, T, H), e(B, R, nb, dt=torch.uint8), e(B, T, R, dt=b),
                          "index_fp4"), [((B, T, R), torch.float32)]),

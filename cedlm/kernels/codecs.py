@@ -359,7 +359,8 @@ def fast_quant_dequant(x: torch.Tensor, f: F.QuantFormat | F.V4Fp8Format) -> tor
         r1 = min(rows, r0 + step)
         r = r1 - r0
         xt = _chunk_f32(x2, r0, r1).view(r, tiles, f.block)
-        s = _scale_values(F.scale_bytes_from_amax(_tile_amax(xt), f, e4), f.scale, tab).unsqueeze(-1)
+        sb = F.scale_bytes_from_amax(_tile_amax(xt), f, e4)
+        s = _scale_values(sb, f.scale, tab).unsqueeze(-1)
         oc = _span(out, r0, r1).view(r, tiles, f.block)
         if fp4:
             # A poisoned tile (s = NaN) needs no fix of q: q * NaN is s's NaN (``scaled``).
@@ -397,7 +398,8 @@ def _v4_encode(x: torch.Tensor, f: F.V4Fp8Format) -> torch.Tensor:
         c = F.e4m3_poisoned(_e4m3_codes(xt / sv, tab), xs, sv)
         o = _span(out, r0, r1)
         _put(_cols(o, 0, nope), c.view(r, nope))
-        _put(_cols(o, nope, nope + 2 * rope), _cols(xc, nope, dim).to(torch.bfloat16).view(torch.uint8))
+        rb = _cols(xc, nope, dim).to(torch.bfloat16).view(torch.uint8)
+        _put(_cols(o, nope, nope + 2 * rope), rb)
         _put(_cols(o, nope + 2 * rope, nope + 2 * rope + tiles), sb)
         _cols(o, nope + 2 * rope + tiles, nope + 2 * rope + tiles + 1).zero_()
     return out.view(*x.shape[:-1], out.shape[-1])
@@ -419,7 +421,8 @@ def _v4_decode(b: torch.Tensor, f: F.V4Fp8Format, dim: int) -> torch.Tensor:
         _put(i, _cols(_span(b2, r0, r1), 0, nope))
         q = _gather(tab["e4m3"], i).view(r, tiles, f.block)
         br = _span(b2, r0, r1)
-        s = _gather(tab["ue8m0"], _cols(br, nope + 2 * rope, nope + 2 * rope + tiles).to(torch.int32))
+        sb = _cols(br, nope + 2 * rope, nope + 2 * rope + tiles)
+        s = _gather(tab["ue8m0"], sb.to(torch.int32))
         oc = _span(out, r0, r1)
         _put(_cols(oc, 0, nope).view(r, tiles, f.block), N.scaled(q, s.unsqueeze(-1)))
         _put(_cols(oc, nope, dim), _dense(_cols(br, nope, nope + 2 * rope)).view(torch.bfloat16))

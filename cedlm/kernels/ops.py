@@ -10,9 +10,9 @@ gate always answers "torch path": the C++ kernels are CPU-only), and a fake (met
 implementation that gives torch.compile and ``FakeTensorMode`` the output shapes, dtypes and
 device (a few microseconds of dispatch, measured against about 45 for
 ``torch.library.custom_op``, whose autograd wrapper these inference-only ops do not need); they
-call the extension's functions directly. The codec ops are bit-identical to ``cedlm.kernels.encode`` / ``decode`` /
-``quant_dequant`` (they call them); the others agree with their references as the eager fast
-paths do (``index.py``, ``attention.py``).
+call the extension's functions directly. The codec ops are bit-identical to
+``cedlm.kernels.encode`` / ``decode`` / ``quant_dequant`` (they call them); the others agree with
+their references as the eager fast paths do (``index.py``, ``attention.py``).
 
     cedlm::encode(x, fmt)                    float [..., dim] -> uint8 [..., bytes]
     cedlm::decode(b, fmt, dim)               uint8 [..., bytes] -> float32 [..., dim]

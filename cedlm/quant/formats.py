@@ -64,7 +64,8 @@ from .numerics import (
 
 __all__ = ["QuantFormat", "FORMATS", "V4Fp8Format", "V4_FP8", "EXTRA_FORMATS", "get_format",
            "bytes_per_entry", "check_bytes", "scale_bytes_from_amax", "v4_scale_bytes_from_amax",
-           "v4_quant_dequant", "e4m3_poisoned", "encode_reference", "decode_reference", "quant_dequant_reference"]
+           "v4_quant_dequant", "e4m3_poisoned", "encode_reference", "decode_reference",
+           "quant_dequant_reference"]
 
 
 @dataclass(frozen=True)

@@ -292,9 +292,10 @@ def scaled(q: torch.Tensor, s: torch.Tensor, *, q_nan: bool = True,
     A finite product is IEEE's correctly rounded float32 product on every device (exact unless
     it is subnormal, then round-to-nearest-even; torch's CPU and CUDA kernels keep subnormals).
     NaN propagation is not portable: x86 returns the NaN operand (when both are NaN, which one
-    depends on the kernel's operand order), CUDA returns the canonical 0x7FFFFFFF. So a NaN result is set explicitly to the NaN operand,
-    and where both are NaN to the scale's when ``SCALE_NAN_WINS`` (probed once on this CPU's
-    multiply, so the CPU's own bits never change) else the element's. ``q_nan=False``: q has no
+    depends on the kernel's operand order), CUDA returns the canonical 0x7FFFFFFF. So a NaN
+    result is set explicitly to the NaN operand, and where both are NaN to the scale's when
+    ``SCALE_NAN_WINS`` (probed once on this CPU's multiply, so the CPU's own bits never change)
+    else the element's. ``q_nan=False``: q has no
     NaN (E2M1 values), the element check is skipped.
     """
     if not device_path(q) and not any_nan(s) and not (q_nan and any_nan(q)):
