@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cedlm.kernels import codecs, decode, encode, gate, ops, quant_dequant
 from cedlm.quant import formats as F
 from cedlm.quant import numerics as N
-from tests.devices import DEVICES, implicit_device_guard
+from tests.devices import DEVICES, FAKE_DEVICE, implicit_device_guard
 from tests.test_quant_fast import (all_byte_entries, dense_float_sweep, e2m1_ties, e4m3_ties,
                                    sprinkle, tiles_around, wide_random)
 
@@ -323,18 +323,21 @@ def test_op_kernels_take_the_torch_path_off_the_cpu(name):
     assert all(o.device.type == "meta" for o in outs)
 
 
-def test_codecs_under_fake_cuda():
-    """The codecs themselves (what the model calls) on fake CUDA tensors: shapes and devices."""
+@pytest.mark.parametrize("dev", sorted({"cuda", FAKE_DEVICE}))
+def test_codecs_under_fake_cuda(dev):
+    """The codecs themselves (what the model calls) on fake CUDA tensors (and on the harness's
+    ``FAKE_DEVICE``): shapes and devices. They index with ``narrow`` and copy through the aten
+    op, so they run on fake ``cuda`` even on this CPU build of torch."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode(allow_non_fake_inputs=False):
+    with FakeTensorMode(allow_non_fake_inputs=dev == "meta"):
         for fmt in FORMATS + ("bf16",):
             f = F.get_format(fmt)
-            x = torch.empty(3, 5, f.default_dim, device="cuda")
+            x = torch.empty(3, 5, f.default_dim, device=dev)
             b = encode(x, fmt)
             d, q = decode(b, fmt, f.default_dim), quant_dequant(x, fmt)
             assert b.shape == (3, 5, f.bytes_per_entry(f.default_dim)) and b.dtype == torch.uint8
             assert d.shape == q.shape == x.shape and d.dtype == q.dtype == torch.float32
-            assert b.device.type == d.device.type == q.device.type == "cuda"
+            assert b.device.type == d.device.type == q.device.type == dev
 
 
 @pytest.mark.parametrize("path", ["reference", "torch", "device", "ext"])
