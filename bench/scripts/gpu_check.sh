@@ -36,6 +36,7 @@
 set -u
 
 T0=$(date +%s)                               # the budget counts from here, preflight included
+CALLER_PWD="$PWD"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 
@@ -55,6 +56,14 @@ while [ $# -gt 0 ]; do
     shift
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu_check: --budget: whole seconds, got '$BUDGET'" >&2; exit 2 ;; esac
+case "$OUT" in ''|/*) ;; *) OUT="$CALLER_PWD/$OUT" ;; esac     # --out is relative to where it was given
+SELECTED="${GPU_CHECK_PHASES:-exact capacity tests_golden tests decode tests_compiled}"
+for phase in $SELECTED; do
+    case "$phase" in
+        exact|capacity|tests_golden|tests|decode|tests_compiled) ;;
+        *) echo "gpu_check: GPU_CHECK_PHASES: unknown phase '$phase' (exact capacity tests_golden tests decode tests_compiled)" >&2; exit 2 ;;
+    esac
+done
 
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
@@ -131,8 +140,17 @@ figure() { "$PY" -m cedlm.bench.gpu "$1" --out "$OUT" --profile "$PROFILE" --dev
 export -f figure
 export PY OUT PROFILE DEVICE
 
-SELECTED="${GPU_CHECK_PHASES:-exact capacity tests_golden tests decode tests_compiled}"
+# pytest without files would run the whole suite: a test phase with none is skipped instead
+no_files() {
+    echo "== $1: skipped (no test files)"
+    printf '%s\tskipped\t0\t0\tno test files were found\n' "$1" >> "$PHASES"
+}
+
 for phase in $SELECTED; do
+    if [ "${phase#tests}" != "$phase" ]; then
+        files="$TEST_FILES"; [ "$phase" = tests_golden ] && files="$GOLDEN_FILES"
+        [ -z "${files// /}" ] && { no_files "$phase"; continue; }
+    fi
     case "$phase" in
         exact)    run_phase exact 35 bash -c 'figure exact' ;;
         capacity) run_phase capacity 35 bash -c 'figure capacity' ;;
@@ -143,7 +161,6 @@ for phase in $SELECTED; do
                       --junitxml="$OUT/tests.xml" $TEST_FILES ;;
         tests_compiled) run_phase tests_compiled 50 "${PYTEST[@]}" -m "compiled and not slow" \
                       --junitxml="$OUT/tests_compiled.xml" $TEST_FILES ;;
-        *) echo "gpu_check: GPU_CHECK_PHASES: unknown phase '$phase'" >&2; exit 2 ;;
     esac
 done
 
