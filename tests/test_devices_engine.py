@@ -323,9 +323,43 @@ def test_indexer_stage_steps_are_the_same_under_the_implicit_device_guard(tmp_pa
     assert steps(tmp_path / "a", True) == steps(tmp_path / "b", False)
 
 
-@pytest.mark.parametrize("stage", ["chat", "dspark", "indexer"])
+def test_vision_stage_pieces_are_the_same_under_the_implicit_device_guard():
+    """`cedlm train vision`: anchors (their loss through the text model), the end-to-end loss and
+    the greedy accuracy check, with host batches and patches moved to the model's device: the same
+    values under the guard."""
+    pytest.importorskip("sklearn")
+    import random  # noqa: F401 - the stage's own rng is not used here
+
+    from cedlm.config import ModelConfig
+    from cedlm.config.vision import VisionConfig
+    from cedlm.data import vision_tasks as T
+    from cedlm.engine.loader import tokenizer_for_vocab
+    from cedlm.model import CEDModel
+    from cedlm.train.vision import Examples, accuracy, extend_with_vision, freeze_text, loss_of
+    from cedlm.train.vision_anchors import Anchors
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny")
+    tok = tokenizer_for_vocab(cfg.vocab_size)
+    vc = VisionConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=48,
+                      max_image_tokens=64, min_pixels=42 * 42)
+    vlm = extend_with_vision(CEDModel(cfg).eval(), tok, vc).eval()
+    freeze_text(vlm)
+    ex = Examples(vlm, tok, T.digits_split(0)[0][:12], T.DIGIT_QUESTION)
+
+    def run():
+        torch.manual_seed(1)
+        a = Anchors(vlm, ex)
+        la, acc_a = a.loss(vlm, [0, 1, 2])
+        return la.item(), acc_a, loss_of(vlm, ex, [0, 1, 2]).item(), accuracy(vlm, tok, ex, limit=3, max_new=2)
+    ref = run()
+    with implicit_device_guard():
+        assert run() == ref
+
+
+@pytest.mark.parametrize("stage", ["chat", "dspark", "indexer", "vision"])
 def test_training_stages_check_the_device_first(stage, capsys):
-    rc, out, err = _cli(["train", stage, "--out", "/nonexistent/run", "--device", "cuda"], capsys)
+    rc, out, err = _cli(["train", stage, "--init", "/nonexistent/model", "--out", "/nonexistent/run",
+                         "--device", "cuda"], capsys)
     assert rc == 2 and "Traceback" not in err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: device: 'cuda' needs a CUDA build"), err

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from cedlm.train.export import PARTS
+from cedlm.train.runner import DEVICE_HELP
+from cedlm.util import describe_device
 
 TOWER = PARTS["vision"]        # the tower's name prefixes: vision.*, aligner.*, image_*
 
@@ -90,14 +92,18 @@ class Examples:
             tgt = tokenizer.encode_plain(str(ans)) + [tokenizer.eos_id]
             self.rows.append((ids + tgt, spans[0][0], len(ids), img, str(ans)))
 
-    def batch(self, idx: list[int]):
+    def batch(self, idx: list[int], device=None):
+        """(ids [B, S], target mask [B, S], rows) of the examples `idx`, built on the host and
+        moved to `device` (None: left on the host)."""
         rows = [self.rows[i] for i in idx]
         S = max(len(r[0]) for r in rows)
-        ids = torch.full((len(rows), S), 2, dtype=torch.int64)
-        tgt_mask = torch.zeros(len(rows), S, dtype=torch.bool)
+        ids = torch.full((len(rows), S), 2, dtype=torch.int64, device="cpu")
+        tgt_mask = torch.zeros(len(rows), S, dtype=torch.bool, device="cpu")
         for b, (t, _, a, _, _) in enumerate(rows):
-            ids[b, : len(t)] = torch.tensor(t)
+            ids[b, : len(t)] = torch.tensor(t, device="cpu")
             tgt_mask[b, a: len(t)] = True
+        if device is not None:
+            ids, tgt_mask = ids.to(device, non_blocking=True), tgt_mask.to(device, non_blocking=True)
         return ids, tgt_mask, rows
 
 
@@ -109,14 +115,15 @@ def _embed_images(model, rows):
     for b, r in enumerate(rows):
         groups.setdefault((r[3].vit_grid, r[3].llm_grid), []).append(b)
     for (vg, lg), bs in groups.items():
-        emb = encode_image(model, torch.stack([rows[b][3].patches for b in bs]), vg, lg)
+        patches = torch.stack([rows[b][3].patches for b in bs]).to(model.device, non_blocking=True)
+        emb = encode_image(model, patches, vg, lg)
         for k, b in enumerate(bs):
             out[b] = [(rows[b][1], emb[k])]
     return out
 
 
 def loss_of(model, ex: Examples, idx: list[int]) -> torch.Tensor:
-    ids, mask, rows = ex.batch(idx)
+    ids, mask, rows = ex.batch(idx, model.device)
     logits = model(ids, images=_embed_images(model, rows))
     m = mask[:, 1:]
     return F.cross_entropy(logits[:, :-1][m], ids[:, 1:][m])
@@ -135,10 +142,10 @@ def accuracy(model, tokenizer, ex: Examples, limit: int | None = None, batch: in
         done = [False] * len(chunk)
         for _ in range(max_new):
             S = max(len(s) for s in seqs)
-            ids = torch.full((len(seqs), S), 2, dtype=torch.int64)
+            ids = torch.full((len(seqs), S), 2, dtype=torch.int64, device="cpu")
             for b, s in enumerate(seqs):
-                ids[b, : len(s)] = torch.tensor(s)
-            logits = model(ids, images=imgs)
+                ids[b, : len(s)] = torch.tensor(s, device="cpu")
+            logits = model(ids.to(model.device, non_blocking=True), images=imgs)
             for b, s in enumerate(seqs):
                 if not done[b]:
                     t = int(logits[b, len(s) - 1].argmax())
@@ -165,6 +172,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--batch", type=int, default=24, help="examples per step (default 24)")
     a("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
     a("--threads", type=int, default=1, help="torch threads (default 1)")
+    a("--device", default=None, help=DEVICE_HELP)
     a("--seed", type=int, default=0)
     a("--word-examples", type=int, default=3000, help="rendered training words (default 3000)")
     a("--vision-layers", type=int, default=None, help="ViT blocks (default 4)")
@@ -193,8 +201,9 @@ class VisionStage:
 
         from cedlm.checkpoint import load_model
         from cedlm.data import vision_tasks as T
-        from cedlm.train.runner import MetricsLog, TimeBudget, set_threads
+        from cedlm.train.runner import MetricsLog, TimeBudget, set_threads, stage_device
         set_threads(args.threads)
+        self.device = stage_device(args.device)       # before loading: a ValueError naming device
         if args.eval_limit is not None and args.eval_limit < 1:
             raise ValueError(f"--eval-limit: must be >= 1, got {args.eval_limit}")
         self.args, self.out = args, Path(args.out)
@@ -206,8 +215,10 @@ class VisionStage:
                                      hidden_size=args.vision_width or vc.hidden_size)
         self.vc = vc
         # eval() except inside a step: MoE load counters and anything mode-dependent stay as served
-        self.model = model = extend_with_vision(text, self.tok, vc, args.seed).eval()
+        # the tower drawn on the host (the same weights on every device), then all moved
+        self.model = model = extend_with_vision(text, self.tok, vc, args.seed).to(self.device).eval()
         del text
+        print(f"cedlm train vision: device {describe_device(self.device)}", flush=True)
         self.train_params = freeze_text(model)
         tok = self.tok
         d_train, d_test = T.digits_split(args.seed)
@@ -236,7 +247,7 @@ class VisionStage:
         args, model, budget, log = self.args, self.model, self.budget, self.metrics.append
         anchors = {k: Anchors(model, tr) for k, (tr, _) in self.tasks.items()}
         if args.anchors:                      # phase A of an earlier run on the same text model
-            saved = torch.load(args.anchors, weights_only=True)
+            saved = torch.load(args.anchors, map_location="cpu", weights_only=True)
             shared = saved.pop("_shared", None)
             for k, rows in saved.items():
                 if rows.shape != anchors[k].rows.shape:
@@ -251,8 +262,8 @@ class VisionStage:
         else:
             na = train_anchors(model, anchors, args.anchor_frac * budget.seconds, args.batch, 3e-2, log,
                                self.rng, order=["digits", "digits", "words"])
-        torch.save({**{k: a.rows.detach() for k, a in anchors.items()},
-                    "_shared": {n: getattr(model, n).detach().clone()
+        torch.save({**{k: a.rows.detach().cpu() for k, a in anchors.items()},      # host tensors
+                    "_shared": {n: getattr(model, n).detach().cpu().clone()
                                 for n in ("image_start", "image_newline", "image_end")}}, self.out / "anchors.pt")
         self.heldout({"phase": "anchors_done", "steps": na, "elapsed_s": round(budget.elapsed(), 1)})
         if args.regress_frac <= 0:           # continuing a trained tower: straight to phase C

@@ -42,12 +42,13 @@ class Anchors:
             raise ValueError("anchors: a task's images must share one grid")
         n = self.llm_grid[0] * self.llm_grid[1]
         scale = model.embed.weight.detach().std()
-        self.rows = torch.nn.Parameter(torch.randn(len(self.classes), n, model.cfg.hidden_size) * scale)
+        draw = torch.randn(len(self.classes), n, model.cfg.hidden_size, device="cpu")   # host draw
+        self.rows = torch.nn.Parameter(draw.to(model.device) * scale)
 
     def loss(self, model, classes: list[int]) -> tuple[torch.Tensor, float]:
         """(LM loss of the answers given the anchor spans of `classes`, share of answers whose
         every token is the argmax)."""
-        ids, mask, rows = self.ex.batch([self.rep[c] for c in classes])
+        ids, mask, rows = self.ex.batch([self.rep[c] for c in classes], model.device)
         lh, lw = self.llm_grid
         imgs = [[(r[1], span_embeds(self.rows[c], lh, lw, model.image_start, model.image_newline,
                                     model.image_end))] for c, r in zip(classes, rows)]
@@ -99,14 +100,14 @@ def train_regression(model, anchors: dict[str, Anchors], seconds: float, batch: 
         name = names[step % len(names)]
         a = anchors[name]
         idx = [rng.randrange(len(a.ex.rows)) for _ in range(batch)]
-        patches = torch.stack([a.ex.rows[i][3].patches for i in idx])
+        patches = torch.stack([a.ex.rows[i][3].patches for i in idx]).to(model.device, non_blocking=True)
         n_h, n_w = a.vit_grid
         rows = model.aligner(model.vision(patches, n_h, n_w), n_h, n_w)
         tgt = a.targets(idx)
         scale = a.rows.detach().pow(2).mean()
         loss = F.mse_loss(rows, tgt) / scale
         d = (rows.flatten(1)[:, None] - a.rows.detach().flatten(1)[None]).pow(2).mean(-1) / scale
-        cls = torch.tensor([a.index[a.ex.rows[i][4]] for i in idx])
+        cls = torch.tensor([a.index[a.ex.rows[i][4]] for i in idx], device=d.device)
         loss = loss + F.cross_entropy(-d * 10, cls)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -131,7 +132,8 @@ def train_codes(model, anchors: Anchors, seconds: float, batch: int, lr: float, 
     D = model.aligner.w2.weight.shape[1]
     if K * n > D:
         raise ValueError(f"codes: {K} classes x {n} rows exceed the aligner width {D}")
-    chan = torch.arange(K)[:, None] * n + torch.arange(n)[None]          # [K, n]
+    dev = model.device
+    chan = torch.arange(K, device=dev)[:, None] * n + torch.arange(n, device=dev)[None]   # [K, n]
     params = list(model.vision.parameters()) + list(model.aligner.w1.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     n_h, n_w = anchors.vit_grid
@@ -139,18 +141,18 @@ def train_codes(model, anchors: Anchors, seconds: float, batch: int, lr: float, 
     t0, step = time.monotonic(), 0
 
     def hidden(idx):
-        patches = torch.stack([rows_[i][3].patches for i in idx])
+        patches = torch.stack([rows_[i][3].patches for i in idx]).to(dev, non_blocking=True)
         from cedlm.model.vision import unfold_3x3
         return model.aligner.w1(unfold_3x3(model.vision(patches, n_h, n_w), n_h, n_w, model.aligner.r))
 
     while time.monotonic() - t0 < seconds:
         idx = [rng.randrange(len(rows_)) for _ in range(batch)]
         h = hidden(idx)                                                   # [B, n, D]
-        cls = torch.tensor([anchors.index[rows_[i][4]] for i in idx])
+        cls = torch.tensor([anchors.index[rows_[i][4]] for i in idx], device=dev)
         # over every code channel: row p of class k must light k*n + p and no other code
-        target = (cls[:, None] * n + torch.arange(n)[None]).flatten()
+        target = (cls[:, None] * n + torch.arange(n, device=dev)[None]).flatten()
         loss = F.cross_entropy(h[..., : K * n].reshape(-1, K * n), target)
-        logits = h[:, torch.arange(n)[:, None], chan.t()]                  # [B, n, K]
+        logits = h[:, torch.arange(n, device=dev)[:, None], chan.t()]      # [B, n, K]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -166,8 +168,9 @@ def train_codes(model, anchors: Anchors, seconds: float, batch: int, lr: float, 
             feats.append(F.gelu(hidden(idx)).reshape(-1, D))
             tgts.append(anchors.targets(idx).reshape(-1, anchors.rows.shape[-1]))
         X, Y = torch.cat(feats).double(), torch.cat(tgts).double()
-        X = torch.cat((X, torch.ones(X.shape[0], 1, dtype=X.dtype)), 1)
-        W = torch.linalg.solve(X.t() @ X + 1e-3 * torch.eye(X.shape[1], dtype=X.dtype), X.t() @ Y)
+        X = torch.cat((X, torch.ones(X.shape[0], 1, dtype=X.dtype, device=X.device)), 1)
+        W = torch.linalg.solve(X.t() @ X + 1e-3 * torch.eye(X.shape[1], dtype=X.dtype, device=X.device),
+                               X.t() @ Y)
         model.aligner.w2.weight.copy_(W[:-1].t().float())
         model.aligner.w2.bias.copy_(W[-1].float())
         rel = ((X @ W - Y).pow(2).mean() / Y.pow(2).mean()).item()
