@@ -7,10 +7,10 @@
 # first; a phase that fails or hangs is recorded and the next one runs):
 #
 #   exact           CPU vs GPU codec bytes and logits               (cedlm/bench/gpu_exact.py)      35 s
-#   capacity        small40 vs small40-v4flash in 40 GiB, live      (cedlm/bench/gpu_capacity.py)   35 s
+#   capacity        small40 vs small40-v4flash in 40 GiB, live      (cedlm/bench/gpu_capacity.py)   45 s
 #   tests_golden    tests/test_golden.py, its CUDA half (golden logits within their bounds)        60 s
 #   tests           the CUDA half of every other device-parametrised test: each tests/test_*.py
-#                   that uses tests/devices.py, and test_compiled_step.py (not slow, not compiled) 130 s
+#                   that uses tests/devices.py, and test_compiled_step.py (not slow, not compiled) 120 s
 #   decode          tokens/s, batch 1/8/64 x context 512..32k, CED vs HF Llama (gpu_decode.py)   150 s
 #   tests_compiled  the same files' torch.compile tests (-m compiled), with what time is left      50 s
 #
@@ -153,11 +153,11 @@ for phase in $SELECTED; do
     fi
     case "$phase" in
         exact)    run_phase exact 35 bash -c 'figure exact' ;;
-        capacity) run_phase capacity 35 bash -c 'figure capacity' ;;
+        capacity) run_phase capacity 45 bash -c 'figure capacity' ;;
         decode)   run_phase decode 150 bash -c 'figure decode' ;;
         tests_golden) run_phase tests_golden 60 "${PYTEST[@]}" -m "not slow" \
                       --junitxml="$OUT/tests_golden.xml" $GOLDEN_FILES ;;
-        tests)    run_phase tests 130 "${PYTEST[@]}" -m "not slow and not compiled" \
+        tests)    run_phase tests 120 "${PYTEST[@]}" -m "not slow and not compiled" \
                       --junitxml="$OUT/tests.xml" $TEST_FILES ;;
         tests_compiled) run_phase tests_compiled 50 "${PYTEST[@]}" -m "compiled and not slow" \
                       --junitxml="$OUT/tests_compiled.xml" $TEST_FILES ;;

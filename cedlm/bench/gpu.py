@@ -92,7 +92,7 @@ def run_phase(phase: str, out: Path, profile: str = "gpu", device: str | None = 
                 part["result"], ok = _exact(dev, sizes, log)
             elif phase == "capacity":
                 from cedlm.bench.gpu_capacity import capacity
-                part["result"] = capacity(dev, log=log, **sizes)
+                part["result"] = capacity(dev, log=log, on_row=_keeper(part, path), **sizes)
             else:
                 ok = _decode(dev, sizes, part, path, timeout_s, decode_step, log)
         except Exception as e:
@@ -134,12 +134,16 @@ def _decode(dev, sizes: dict, part: dict, path: Path, timeout_s, decode_step, lo
     if decode_step is not None:
         kw["decode_step"] = decode_step
     budget = 150.0 if timeout_s is None else max(5.0, timeout_s - DECODE_MARGIN_S)
+    part["result"] = decode_throughput(dev, budget_s=budget, log=log, on_row=_keeper(part, path), **kw)
+    return True
 
+
+def _keeper(part: dict, path: Path):
+    """A figure's `on_row`: the result so far into the part, the part to disk."""
     def keep(res):
         part["result"] = res
         _write(path, part)
-    part["result"] = decode_throughput(dev, budget_s=budget, log=log, on_row=keep, **kw)
-    return True
+    return keep
 
 
 # ============================================================================ assemble

@@ -147,9 +147,10 @@ def _row(cfg_name: str, layout, C: int, bt: int, device, live: LiveBytes, budget
 
 def capacity(device: torch.device, budget_bytes: int = BUDGET_BYTES, contexts=CONTEXTS,
              presets=PRESETS, block_tokens: int = BLOCK_TOKENS, probe_blocks: int = PROBE_BLOCKS,
-             log=print) -> dict:
+             log=print, on_row=None) -> dict:
     """Sequences of each preset that fit `budget_bytes` of live device memory at each context
-    (see the module docstring); ratios of the first preset over the second."""
+    (see the module docstring); ratios of the first preset over the second. `on_row` receives
+    {"rows": [...]} after every (preset, context), so a phase cut short keeps what it counted."""
     from cedlm.config import ModelConfig
     from cedlm.kv_layout import KVLayout
     if budget_bytes <= 0:
@@ -169,6 +170,8 @@ def capacity(device: torch.device, budget_bytes: int = BUDGET_BYTES, contexts=CO
                 f"{r['sequences_planned']:,}), {r['allocated_bytes'] / GIB:.2f} GiB allocated "
                 f"in {r['alloc_s']:.1f} s")
             rows.append(r)
+            if on_row is not None:
+                on_row({"rows": rows, "status": "running"})
     a, b = presets
     ratios = {}
     for C in contexts:
@@ -194,6 +197,10 @@ def capacity(device: torch.device, budget_bytes: int = BUDGET_BYTES, contexts=CO
 
 
 def table(res: dict) -> str:
+    if "ratios" not in res:                  # cut short: the rows it counted
+        return md_table(["preset", "context", "sequences (live)", "sequences (planned)"],
+                        [[r["preset"], r["context"], r["sequences_live"], r["sequences_planned"]]
+                         for r in res.get("rows", [])]) + "\n\n(cut short: no ratios)"
     body = [[r["preset"], r["context"], r["sequences_live"], r["sequences_planned"],
              r["live_bytes_per_sequence"], r["planned_bytes_per_sequence"],
              r["live_fixed_bytes_per_sequence"] - r["planned_fixed_bytes_per_sequence"],
