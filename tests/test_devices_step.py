@@ -27,7 +27,9 @@ from cedlm.model.compiled_step import CompiledDecode, default_mode
 from cedlm.model.step_graph import StepGraphs, bucket
 from tests.devices import fake_cuda, implicit_device_guard
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              # the host side compares pools' addresses; fake tensors have none to give
+              pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")]
 
 
 @pytest.fixture(scope="module")
@@ -227,3 +229,45 @@ def test_offloaded_engram_table_runs_the_step(shipped, tmp_path, mode):
             assert torch.equal(a, b)
             toks = a.argmax(-1).tolist()
     assert step.fallbacks == 0 and step.calls == 6
+
+
+HOST_READS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero"}   # .item(), bool(t)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("paged", [False, True])
+def test_step_is_capturable(shipped, paged, monkeypatch):
+    """What a CUDA graph capture refuses, looked for on the CPU, inside the step and its kernels'
+    torch code (the path a GPU runs: the vectorised torch codecs, backend "torch", and their
+    sync-free NaN rules, `numerics.DEVICE_PATH_ON_CPU`): no read of a tensor value on the host
+    (the profiler sees every aten op, also inside the custom ops) and no tensor made from host
+    data (`torch.tensor` / `torch.as_tensor`: a host-to-device copy on CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cedlm.kernels.gate import set_fast_backend
+    from cedlm.quant import numerics
+    states, toks = _states(shipped, [5, 40, 130], paged, seed=6)
+    step = CompiledDecode(shipped, "static")
+    shapes = step.shape_for(states, paged=paged)
+    args = step.inputs(torch.tensor(toks), states)
+    made = []
+
+    def from_host(real):
+        def f(data, *a, **k):
+            if not isinstance(data, torch.Tensor):
+                made.append(repr(data)[:60])
+            return real(data, *a, **k)
+        return f
+    monkeypatch.setattr(numerics, "DEVICE_PATH_ON_CPU", True)
+    prev = set_fast_backend("torch")
+    try:
+        with monkeypatch.context() as m, profile(activities=[ProfilerActivity.CPU]) as prof:
+            m.setattr(torch, "tensor", from_host(torch.tensor))
+            m.setattr(torch, "as_tensor", from_host(torch.as_tensor))
+            step_.decode_step(shapes, *args)
+    finally:
+        set_fast_backend(prev)
+    names = {e.name for e in prof.events()}
+    assert "cedlm::attend_packed" in names and "aten::index" in names     # the profile sees inside
+    assert not names & HOST_READS, names & HOST_READS
+    assert not made, made
