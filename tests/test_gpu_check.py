@@ -192,7 +192,9 @@ def test_capacity_counts_live_allocations_and_refuses_bad_input():
     r = gpu_capacity.capacity(CPU, budget_bytes=32 << 20, contexts=(1024,), probe_blocks=4,
                               log=lambda s: None, on_row=lambda res: seen.append(len(res["rows"])))
     assert seen == [1, 2]                                   # kept after every (preset, context)
-    assert "cut short" in gpu_capacity.table({"rows": r["rows"][:1]})
+    assert r["status"] == "done"
+    part = gpu_capacity._result(r["config"], r["rows"][:1], "running")
+    assert part["ratios"] == {} and "cut short" in gpu_capacity.table(part)
     a, b = r["rows"]
     assert a["preset"] == "small40" and b["preset"] == "small40-v4flash"
     for row in (a, b):

@@ -158,12 +158,17 @@ def capacity(device: torch.device, budget_bytes: int = BUDGET_BYTES, contexts=CO
     if len(presets) != 2:
         raise ValueError(f"presets: two names (CED, its V4-Flash counterpart), got {presets!r}")
     live = LiveBytes(device)
-    rows = []
-    for name in presets:
+    probes = {}
+    for name in presets:                     # both probes first: a run cut short keeps pairs
         layout = KVLayout.from_config(ModelConfig.preset(name))
         bt = layout.round_block_tokens(block_tokens)
-        probe = _probe(layout, bt, device, live, probe_blocks)
-        for C in contexts:
+        probes[name] = (layout, bt, _probe(layout, bt, device, live, probe_blocks))
+    config = {"budget_bytes": budget_bytes, "contexts": list(contexts), "presets": list(presets),
+              "block_tokens": block_tokens, "probe_blocks": probe_blocks, "counted_by": live.counter}
+    rows = []
+    for C in contexts:
+        for name in presets:
+            layout, bt, probe = probes[name]
             r = _row(name, layout, C, bt, device, live, budget_bytes, probe)
             log(f"  capacity {name} @ {C}: {r['sequences_live']:,} sequences live "
                 f"({r['live_bytes_per_sequence'] / 2**20:.1f} MiB each; planned "
@@ -171,22 +176,26 @@ def capacity(device: torch.device, budget_bytes: int = BUDGET_BYTES, contexts=CO
                 f"in {r['alloc_s']:.1f} s")
             rows.append(r)
             if on_row is not None:
-                on_row({"rows": rows, "status": "running"})
-    a, b = presets
+                on_row(_result(config, rows, "running"))
+    return _result(config, rows, "done")
+
+
+def _result(config: dict, rows: list, status: str) -> dict:
+    """The figure from the rows counted so far: ratios for every context both presets reached."""
+    a, b = config["presets"]
     ratios = {}
-    for C in contexts:
-        ra = next(r for r in rows if r["preset"] == a and r["context"] == C)
-        rb = next(r for r in rows if r["preset"] == b and r["context"] == C)
+    for C in config["contexts"]:
+        ra = next((r for r in rows if r["preset"] == a and r["context"] == C), None)
+        rb = next((r for r in rows if r["preset"] == b and r["context"] == C), None)
+        if ra is None or rb is None:
+            continue
         ratios[str(C)] = {
             "sequences_live": ra["sequences_live"] / rb["sequences_live"] if rb["sequences_live"] else None,
             "sequences_planned": (ra["sequences_planned"] / rb["sequences_planned"]
                                   if rb["sequences_planned"] else None),
             "bytes_per_sequence_live": rb["live_bytes_per_sequence"] / ra["live_bytes_per_sequence"]}
     measured = [v["sequences_live"] for v in ratios.values() if v["sequences_live"] is not None]
-    return {"config": {"budget_bytes": budget_bytes, "contexts": list(contexts),
-                       "presets": list(presets), "block_tokens": block_tokens,
-                       "probe_blocks": probe_blocks, "counted_by": live.counter},
-            "rows": rows, "ratios": ratios,
+    return {"config": config, "status": status, "rows": rows, "ratios": ratios,
             "target": {"metric": f"sequences {a} / {b} in the budget (worst context)", "op": ">=",
                        "value": TARGET_RATIO, "measured": min(measured) if measured else None,
                        "met": (min(measured) >= TARGET_RATIO) if measured else None},
@@ -197,10 +206,6 @@ def capacity(device: torch.device, budget_bytes: int = BUDGET_BYTES, contexts=CO
 
 
 def table(res: dict) -> str:
-    if "ratios" not in res:                  # cut short: the rows it counted
-        return md_table(["preset", "context", "sequences (live)", "sequences (planned)"],
-                        [[r["preset"], r["context"], r["sequences_live"], r["sequences_planned"]]
-                         for r in res.get("rows", [])]) + "\n\n(cut short: no ratios)"
     body = [[r["preset"], r["context"], r["sequences_live"], r["sequences_planned"],
              r["live_bytes_per_sequence"], r["planned_bytes_per_sequence"],
              r["live_fixed_bytes_per_sequence"] - r["planned_fixed_bytes_per_sequence"],
@@ -216,4 +221,5 @@ def table(res: dict) -> str:
     t += "\n\n" + md_table(["context", f"{a} / {b} (live)", f"{a} / {b} (planned)",
                             f"{b} / {a} bytes per sequence (live)"], body2)
     return t + (f"\n\nBudget {res['config']['budget_bytes'] / GIB:g} GiB, counted by "
-                f"{res['config']['counted_by']}.")
+                f"{res['config']['counted_by']}."
+                + ("" if res.get("status", "done") == "done" else " (cut short: the rows it counted)"))
