@@ -66,15 +66,12 @@ def _probe(layout, bt: int, device, live: LiveBytes, probe_blocks: int) -> dict:
     from cedlm.cache.block_pool import BlockPool
     pool, pool_bytes = _measure(live, lambda: on_device(device, BlockPool, layout, probe_blocks, bt))
     tensors_on([pool.data], device, "BlockPool")
-    (table, st), fixed = _measure(live, lambda: _new_state(layout, pool, device))
+    (_, st), fixed = _measure(live, lambda: _new_state(layout, pool, device))
     tensors_on([st], device, "SequenceState")
-    out = {"live_bytes_per_block": pool_bytes / probe_blocks, "live_fixed_bytes": fixed,
-           "tensor_fixed_bytes": storage_bytes([st]),
-           "planned_bytes_per_block": layout.bytes_per_block(bt),
-           "planned_fixed_bytes": layout.window_bytes_per_sequence + layout.max_pending_bytes}
-    del table, st, pool
-    live.release()
-    return out
+    return {"live_bytes_per_block": pool_bytes / probe_blocks, "live_fixed_bytes": fixed,
+            "tensor_fixed_bytes": storage_bytes([st]),
+            "planned_bytes_per_block": layout.bytes_per_block(bt),
+            "planned_fixed_bytes": layout.window_bytes_per_sequence + layout.max_pending_bytes}
 
 
 def _allocate(layout, bt: int, device, live: LiveBytes, budget: int, S: int, blocks: int,
@@ -163,6 +160,7 @@ def capacity(device: torch.device, budget_bytes: int = BUDGET_BYTES, contexts=CO
         layout = KVLayout.from_config(ModelConfig.preset(name))
         bt = layout.round_block_tokens(block_tokens)
         probes[name] = (layout, bt, _probe(layout, bt, device, live, probe_blocks))
+        live.release()                       # the probe's pool and state are gone: free their cache
     config = {"budget_bytes": budget_bytes, "contexts": list(contexts), "presets": list(presets),
               "block_tokens": block_tokens, "probe_blocks": probe_blocks, "counted_by": live.counter}
     rows = []
