@@ -182,9 +182,11 @@ class CompiledDecode:
                 logits, out = self.graphs(shapes, args, copied)
             else:
                 logits, out = self.fn(shapes, *args)
-        except Exception as e:               # no compiler, no Python headers, an inductor bug,
+        except Exception as e:
+            # torch.compile without a compiler or Python headers, an inductor bug, a CUDA graph
+            # capture that fails: the same step uncompiled (nothing was written yet)
             if not self.compile and not (self.graphs is not None and self.graphs.capture):
-                raise                        # a failed capture: the same step uncompiled
+                raise
             self._give_up_compiling(e)
             logits, out = self.fn(shapes, *args)
         graph = "1" if len(states) == 1 else ">= 2"

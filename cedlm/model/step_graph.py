@@ -124,20 +124,22 @@ class _Graph:
         """Warm the step up on a side stream (lazy initialisations, cuBLAS workspaces: nothing may
         allocate host memory or synchronise inside a capture), then capture it."""
         dev = self.ids.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            self.fn(self.shapes, *self.args(pools))
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
-            self.out = self.fn(self.shapes, *self.args(pools))
+        with torch.cuda.device(dev):                  # the model's GPU, not the current one
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                self.fn(self.shapes, *self.args(pools))
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
+                self.out = self.fn(self.shapes, *self.args(pools))
         self.graph = graph
 
     def run(self, pools):
         """The step on the buffers: the graph replayed (CUDA) or the step called (CPU)."""
         if self.graph is not None:
-            self.graph.replay()
+            with torch.cuda.device(self.ids.device):
+                self.graph.replay()
         else:
             self.out = self.fn(self.shapes, *self.args(pools))
         return self.result()
