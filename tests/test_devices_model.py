@@ -382,3 +382,18 @@ def test_state_refuses_rows_on_another_device(tiny):
     pool = BlockPool(tiny.kv_layout, 4, 8, device="meta")
     with pytest.raises(ValueError, match="rows: .*model's device"):
         SequenceState(tiny.kv_layout, pool.rows(BlockTable(pool)), device="cpu")
+
+
+def test_offloaded_engram_rows_move_to_the_model_device(tiny, tmp_path):
+    """An offloaded Engram table stays in host memory when the model moves; a lookup gathers its
+    rows there and hands them over on the layer's device (here meta, standing in for CUDA)."""
+    import copy
+    eng = copy.deepcopy(tiny.layers[tiny.cfg.engram_layer_ids[0]].engram)
+    rows = torch.tensor([[[0, 5, 9, 2]]])[..., : eng.hasher.primes.numel()]
+    want = eng.embed(rows).flatten(-2)
+    eng.offload(tmp_path / "t.npy")
+    assert torch.equal(eng.lookup(rows), want)
+    eng.to("meta")
+    got = eng.lookup(rows)
+    assert got.device.type == "meta" and got.shape == want.shape
+    assert eng(torch.zeros(1, 1, tiny.cfg.hc_mult, tiny.cfg.hidden_size, device="meta"), got).device.type == "meta"
