@@ -28,6 +28,8 @@ NAME = "attn_packed"
 TITLE = "Attention over packed KV bytes vs over fp32"
 HEADS, HEAD_DIM, WINDOW = 4, 128, 64
 TARGET = 1.2
+CPU_ONLY = ("it times the C++ attention kernels (attend_packed, attend_sparse in "
+            "cedlm/kernels/csrc), which run on the CPU only")
 
 
 def _case(B: int, k: int, g: torch.Generator) -> dict:

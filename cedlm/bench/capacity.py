@@ -30,7 +30,7 @@ def _paged_model(ctx, model, budget: int, contexts, ids_short, ids_odd):
     from cedlm.engine.engine import Engine
     from cedlm.plan import kv_bytes_per_token, sequence_bytes, window_bytes_per_sequence
     cfg = model.cfg
-    probe = BlockPool(model.kv_layout, 1, BLOCK)
+    probe = BlockPool(model.kv_layout, 1, BLOCK, device=model.device)
     bpb = probe.bytes_per_block
     st = model.new_state()
     window = st.nbytes()["window"]
@@ -78,8 +78,8 @@ def run(ctx: Ctx) -> dict:
     budget = int(ctx.size(1.0, 0.25) * GIB)
     contexts = [4096, 32768]
     g = torch.Generator().manual_seed(ctx.seed)
-    ids_short = torch.randint(0, 4096, (512,), generator=g)
-    ids_odd = torch.randint(0, 4096, (127,), generator=g)
+    ids_short = torch.randint(0, 4096, (512,), generator=g, device="cpu")      # token ids: host
+    ids_odd = torch.randint(0, 4096, (127,), generator=g, device="cpu")
     models = {"CED-small": ctx.ced(), "V4-Flash-style baseline": ctx.v4(),
               "CED-small40": ctx.preset_model("small40"),
               "V4-Flash-small40": ctx.preset_model("small40-v4flash")}
@@ -121,7 +121,8 @@ def run(ctx: Ctx) -> dict:
                 for i, C in enumerate(contexts)}
     worst = min(r["vs_v4_flash"] for r in ratios40.values())
     return {
-        "config": {"budget_bytes": budget, "contexts": contexts, "block_tokens": BLOCK},
+        "config": {"budget_bytes": budget, "contexts": contexts, "block_tokens": BLOCK,
+                   "device": str(ctx.device)},
         "rows": rows,
         "ratios": ratios,
         "ratios_small40": ratios40,

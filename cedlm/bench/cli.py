@@ -39,9 +39,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     # dspark); a figure that fixes one of them for what it measures says so and keeps its value.
     from cedlm.engine.args import EngineConfig, add_cli_args
     g = p.add_argument_group("engine options (default: the engine's; see `cedlm serve --help`)")
-    # --device: the figure set measures the CPU (its models, threads and peers), so cpu is the
-    # default here; the GPU figures are bench/scripts/gpu_check.sh
-    add_cli_args(g, skip=BENCH_SKIPS, device="cpu", **{f: None for f in EngineConfig.__dataclass_fields__})
+    # --device (default auto: CUDA when available, else the CPU): every figure's models, caches
+    # and peers live there; a figure that measures the CPU by nature is skipped on a GPU with its
+    # reason (runner.skip_reason). The GPU-only figures (capacity in device memory, the decode
+    # grid to batch 64) are bench/scripts/gpu_check.sh.
+    add_cli_args(g, skip=BENCH_SKIPS, **{f: None for f in EngineConfig.__dataclass_fields__})
     p.add_argument("--dspark-model", type=Path, default=None, metavar="DIR",
                    help="dspark figure: the model dir with its trained drafter (mtp.safetensors; "
                         "default runs/dspark/export when it has one, else the shipped cedlm/assets/model)")
@@ -57,7 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     from cedlm.bench.common import Ctx
-    from cedlm.bench.runner import run_figures, select
+    from cedlm.bench.runner import plan, run_figures, select
     if args.threads < 1:
         raise SystemExit("cedlm bench: error: --threads must be >= 1")
     try:
@@ -66,13 +68,13 @@ def run(args) -> int:
         raise SystemExit(f"cedlm bench: error: {e}")
     from cedlm.util import describe_device, resolve_device
     try:
-        device = resolve_device(getattr(args, "device", "cpu"), "device")
+        device = resolve_device(getattr(args, "device", None), "device")
     except ValueError as e:
         raise SystemExit(f"cedlm bench: error: {e}")
-    if device.type != "cpu":
-        raise SystemExit(f"cedlm bench: error: device: {device}: this figure set measures the CPU; "
-                         f"the GPU figures are bench/scripts/gpu_check.sh")
     print(f"cedlm bench: device {describe_device(device)}", flush=True)
+    for name, why in plan(names, device).items():
+        if why is not None:
+            print(f"cedlm bench: {why}", flush=True)
     from cedlm.engine.args import EngineConfig
     engine_options = {f: getattr(args, f) for f in EngineConfig.__dataclass_fields__
                       if getattr(args, f, None) is not None}
@@ -97,7 +99,7 @@ def run(args) -> int:
               install=args.install_peer and not args.no_install,
               profile=not args.no_profile, seed=args.seed, log=lambda s: print(s, flush=True),
               dspark_model=args.dspark_model, engine_options=engine_options,
-              peer_contexts=peer_contexts)
+              peer_contexts=peer_contexts, device=device)
     results = run_figures(names, ctx, md)
     print(f"results: {out}/  report: {md}")
     return 1 if any(r.get("error") for r in results) else 0

@@ -1,9 +1,10 @@
 """Shared pieces of the benchmark suite: environment, timing, models, synthetic caches, output.
 
 Every figure is a ratio of two measurements taken in the same run on the same machine; times are
-medians of repeated runs (time.perf_counter, after warm-up). Models are built from the presets
-with random weights (fixed seed): the benchmarks time work and count bytes, neither depends on
-trained values.
+medians of repeated runs (time.perf_counter, after warm-up; on a GPU the device is synchronised
+before and after each timed call, so a time is the work's, not its launch's). Models are built
+from the presets with random weights (fixed seed, drawn on the host, then moved to the run's
+device): the benchmarks time work and count bytes, neither depends on trained values.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from cedlm.bench.gpu_common import sync
 from cedlm.config import ModelConfig
 
 SCHEMA = 1
@@ -51,7 +53,8 @@ def git_commit() -> tuple[str | None, bool | None]:
         return None, None
 
 
-def env_block() -> dict:
+def env_block(device: torch.device | None = None) -> dict:
+    """The run's environment; `device`: the device the figures run on (its description too)."""
     head, dirty = git_commit()
     try:
         load = [round(x, 2) for x in os.getloadavg()]
@@ -68,7 +71,17 @@ def env_block() -> dict:
         "git_commit": head,
         "git_dirty": dirty,
         "loadavg_at_start": load,
+        "device": str(device or "cpu"),
+        "device_description": _describe(device or torch.device("cpu")),
     }
+
+
+def _describe(device: torch.device) -> str:
+    from cedlm.util import describe_device
+    try:
+        return describe_device(device)
+    except Exception as e:                  # a broken driver must not lose the figure's numbers
+        return f"{device} (describe_device failed: {type(e).__name__}: {e})"
 
 
 # ============================================================================ context
@@ -85,6 +98,7 @@ class Ctx:
     log: object = print
     dspark_model: Path | None = None     # dspark figure: model dir with mtp.safetensors
     engine_options: dict = field(default_factory=dict)   # engine flags the user set (EngineArgs names)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where models and caches live
     _models: dict = field(default_factory=dict)
 
     def engine_config(self, figure: str, **design):
@@ -106,7 +120,7 @@ class Ctx:
 
     # ---------------------------------------------------------------- models (cached per run)
     def ced(self):
-        return self._model("ced", lambda: _build_ced(small_config(), self.seed))
+        return self._model("ced", lambda: _build_ced(small_config(), self.seed, self.device))
 
     def decoder_only(self):
         """The decoder-only baseline (full attention, BF16 KV) of the small preset."""
@@ -114,16 +128,17 @@ class Ctx:
 
         def build():
             torch.manual_seed(self.seed)
-            return DecoderOnlyModel(small_config()).eval()
+            with torch.device("cpu"):                # drawn on the host: the same weights everywhere
+                return DecoderOnlyModel(small_config()).eval().to(self.device)
         return self._model("decoder_only", build)
 
     def v4(self):
         """The same-size DeepSeek-V4-Flash-style baseline of the small preset (`v4_style_config`)."""
-        return self._model("v4", lambda: _build_ced(v4_style_config(small_config()), self.seed))
+        return self._model("v4", lambda: _build_ced(v4_style_config(small_config()), self.seed, self.device))
 
     def preset_model(self, name: str):
         """A runnable preset with random weights (fixed seed)."""
-        return self._model(name, lambda: _build_ced(ModelConfig.preset(name), self.seed))
+        return self._model(name, lambda: _build_ced(ModelConfig.preset(name), self.seed, self.device))
 
     def _model(self, key, build):
         if key not in self._models:
@@ -141,10 +156,14 @@ def ced_decode_fn(model, mode: str | None = None):
     return CompiledDecode.of(model, mode)
 
 
-def _build_ced(cfg: ModelConfig, seed: int):
+def _build_ced(cfg: ModelConfig, seed: int, device: torch.device | None = None):
+    """A CEDModel of `cfg`, weights drawn on the host (seeded: the same on every device), then
+    moved to `device`."""
     from cedlm.model import CEDModel
     torch.manual_seed(seed)
-    return CEDModel(cfg).eval()
+    with torch.device("cpu"):
+        model = CEDModel(cfg).eval()
+    return model if device is None else model.to(device)
 
 
 # ============================================================================ configs
@@ -186,32 +205,48 @@ def v4_style_config(cfg: ModelConfig) -> ModelConfig:
 
 
 # ============================================================================ timing
-def measure(fn, repeats: int, warmup: int = 1, setup=None) -> list[float]:
-    """Seconds of `fn(setup())` per run (setup, if any, runs outside the timed region)."""
+def measure(fn, repeats: int, warmup: int = 1, setup=None, device=None) -> list[float]:
+    """Seconds of `fn(setup())` per run (setup, if any, runs outside the timed region). `device`:
+    where `fn` queues its work; a GPU is synchronised before and after each run (`gpu_common.sync`;
+    nothing happens on the CPU)."""
     times = []
     for i in range(warmup + repeats):
         arg = setup() if setup is not None else None
-        t0 = time.perf_counter()
+        t0 = _start(device)
         fn(arg) if setup is not None else fn()
-        dt = time.perf_counter() - t0
+        dt = _stop(device, t0)
         if i >= warmup:
             times.append(dt)
     return times
 
 
-def measure_interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict:
+def measure_interleaved(fns: dict, repeats: int, warmup: int = 1, device=None) -> dict:
     """Seconds per run of each of `fns` (name -> callable), the runs taken round-robin (one of
     each per round), so that a change of load on a shared machine during the measurement hits
-    every entry alike and their ratios stay fair. name -> list of seconds."""
+    every entry alike and their ratios stay fair (`device`: as `measure`). name -> list of seconds."""
     times: dict = {k: [] for k in fns}
     for i in range(warmup + repeats):
         for k, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = _start(device)
             fn()
-            dt = time.perf_counter() - t0
+            dt = _stop(device, t0)
             if i >= warmup:
                 times[k].append(dt)
     return times
+
+
+def _start(device) -> float:
+    """The start of a timed region: the device idle first (work queued before is not counted)."""
+    if device is not None:
+        sync(torch.device(device))
+    return time.perf_counter()
+
+
+def _stop(device, t0: float) -> float:
+    """Seconds since `t0` once the device has finished the work queued in the region."""
+    if device is not None:
+        sync(torch.device(device))
+    return time.perf_counter() - t0
 
 
 def stats(times: list[float]) -> dict:
@@ -222,15 +257,18 @@ def stats(times: list[float]) -> dict:
 
 
 # ============================================================================ synthetic caches
-def _fill_rows(n: int, dim: int, fmt: str, g: torch.Generator, pool: int = 512) -> torch.Tensor:
-    """n encoded entries of `dim` values: `pool` random N(0,1) rows encoded, tiled to n rows.
+def _fill_rows(n: int, dim: int, fmt: str, g: torch.Generator, pool: int = 512,
+               device=None) -> torch.Tensor:
+    """n encoded entries of `dim` values: `pool` random N(0,1) rows encoded, tiled to n rows, on
+    `device` (default the CPU). The values are drawn and encoded on the host (`g` is a host
+    generator: the same bytes on every device), then moved.
 
     Values of the right format and distribution (RMS 1, as kv_norm / k_norm outputs are), so no
     NaN/inf/denormal codes; timing depends on sizes, not values."""
     from cedlm.kernels import encode
-    base = encode(torch.randn(min(max(n, 1), pool), dim, generator=g), fmt)
+    base = encode(torch.randn(min(max(n, 1), pool), dim, generator=g, device="cpu"), fmt)
     reps = -(-n // base.shape[0])
-    return base.repeat(reps, 1)[:n].contiguous()
+    return base.to(device or "cpu").repeat(reps, 1)[:n].contiguous()
 
 
 def synth_ced_state(model, context: int, seed: int = 0, margin: int = 64, pool=None):
@@ -238,32 +276,35 @@ def synth_ced_state(model, context: int, seed: int = 0, margin: int = 64, pool=N
     source's main KV and index-key rows (context // ratio entries, valid encodings of random
     values), pending compressor rows of the incomplete group (random fp32), and every layer's
     window ring full (the last n_win positions). Same shapes and bytes as after a real prefill.
-    pool: a `BlockPool` to hold the rows in (paged, as the engine keeps them), else contiguous."""
+    pool: a `BlockPool` to hold the rows in (paged, as the engine keeps them; on the model's
+    device), else contiguous. Every tensor lives on the model's device; the values are drawn on
+    the host (one seeded generator: the same state on every device) and moved there."""
     from cedlm.model.state import ByteRows
     cfg = model.cfg
-    g = torch.Generator().manual_seed(seed)
+    dev = model.device
+    g = torch.Generator(device="cpu").manual_seed(seed)
     if pool is not None:
         from cedlm.cache.block_pool import BlockTable
         st = model.new_state(pool.rows(BlockTable(pool)))
     else:
         st = model.new_state()
     st.num_tokens = context
-    st.token_ids = torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist()
+    st.token_ids = torch.randint(0, cfg.vocab_size, (context,), generator=g, device="cpu").tolist()
     for kind, store, fmt, dim in (("kv", st.kv, cfg.main_kv_format, cfg.head_dim),
                                   ("idx", st.index, cfg.index_kv_format, cfg.index_head_dim)):
         for s, rows in store.items():
             n = context // cfg.compress_ratios[s]
-            new = ByteRows(rows.width, capacity=n + margin) if pool is None else rows
-            new.append(_fill_rows(n, dim, fmt, g))
+            new = ByteRows(rows.width, capacity=n + margin, device=dev) if pool is None else rows
+            new.append(_fill_rows(n, dim, fmt, g, device=dev))
             store[s] = new
     for s in st.pending:
         k = context % cfg.compress_ratios[s]
-        st.pending[s] = (torch.randn(k, cfg.head_dim, generator=g),
-                         torch.randn(k, cfg.head_dim, generator=g))
+        st.pending[s] = (torch.randn(k, cfg.head_dim, generator=g, device="cpu").to(dev),
+                         torch.randn(k, cfg.head_dim, generator=g, device="cpu").to(dev))
     win = cfg.sliding_window
-    pos = torch.arange(max(0, context - win), context)
+    pos = torch.arange(max(0, context - win), context, device=dev)
     for l in range(cfg.n_layers):
-        st.window[l][pos % win] = _fill_rows(pos.numel(), cfg.head_dim, cfg.window_kv_format, g)
+        st.window[l][pos % win] = _fill_rows(pos.numel(), cfg.head_dim, cfg.window_kv_format, g, device=dev)
         st.window_pos[l][pos % win] = pos
     return st
 
@@ -271,23 +312,26 @@ def synth_ced_state(model, context: int, seed: int = 0, margin: int = 64, pool=N
 def synth_ced_batch(model, context: int, batch: int, seed: int = 0, new_tokens: int = 64) -> list:
     """`batch` states of `context` tokens (seeds seed, seed+1, ...): one contiguous state for batch
     1; for more, paged rows in one `BlockPool` sized for context + new_tokens each, as the engine
-    holds a batch (the decode step then reads every sequence through one pool and block table)."""
+    holds a batch (the decode step then reads every sequence through one pool and block table),
+    on the model's device."""
     if batch == 1:
         return [synth_ced_state(model, context, seed=seed)]
     from cedlm.cache.block_pool import BlockPool
     block = 64
     per_seq = -(-(context + new_tokens + 1) // block) + 1
-    pool = BlockPool(model.kv_layout, batch * per_seq, block)
+    pool = BlockPool(model.kv_layout, batch * per_seq, block, device=model.device)
     return [synth_ced_state(model, context, seed=seed + b, pool=pool) for b in range(batch)]
 
 
 def synth_decoder_only_state(model, context: int, seed: int = 0, margin: int = 64):
-    """A DecoderOnlyState of `context` tokens: BF16 K and V of every layer filled with N(0,1) values."""
+    """A DecoderOnlyState of `context` tokens on the model's device: BF16 K and V of every layer
+    filled with N(0,1) values (drawn on the host, seeded, then moved)."""
     from cedlm.model.decoder_only import DecoderOnlyState
-    g = torch.Generator().manual_seed(seed)
-    st = DecoderOnlyState(model.cfg, capacity=context + margin)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    st = DecoderOnlyState(model.cfg, capacity=context + margin, device=model.device)
     for l in range(model.cfg.n_layers):
-        st.kv[l, :, :context] = torch.randn(2, context, model.cfg.head_dim, generator=g).to(torch.bfloat16)
+        st.kv[l, :, :context] = torch.randn(2, context, model.cfg.head_dim, generator=g,
+                                            device="cpu").to(st.kv.device, torch.bfloat16)
     st.n = context
     return st
 

@@ -7,7 +7,8 @@ depends on the sizes, not the values; the figure checks that at one small contex
 prefilled state gives the same step time (ratio reported). Batch 1, random weights; each point is
 the median of repeated single-token `decode` calls after warm-up steps, the steps of all
 contexts and both models taken round-robin (one of each per round), so that a change of load on
-the shared machine hits every point alike.
+the shared machine hits every point alike. Models and caches live on the run's device
+(`--device`; a GPU is synchronised around each timed step).
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ NAME = "decode"
 TITLE = "Decode step time vs context"
 
 
-def _steps(step, st, steps: int, warmup: int) -> dict:
+def _steps(step, st, steps: int, warmup: int, device) -> dict:
     tok = [7]
-    return stats(measure(lambda: step(tok, [st]), steps, warmup))
+    return stats(measure(lambda: step(tok, [st]), steps, warmup, device=device))
 
 
 def run(ctx: Ctx) -> dict:
@@ -41,7 +42,7 @@ def run(ctx: Ctx) -> dict:
     ced_step = ced_decode_fn(ced, ctx.engine_options.get("decode_step"))
     steps_of = {"ced": ced_step, "decoder_only": decoder_only.decode}
     fns = {key: functools.partial(steps_of[key[0]], [7], [st]) for key, st in states.items()}
-    times = measure_interleaved(fns, steps, warm)
+    times = measure_interleaved(fns, steps, warm, device=ctx.device)
     del states, fns
     rows = []
     for C in contexts:
@@ -60,15 +61,17 @@ def run(ctx: Ctx) -> dict:
         r["decoder_only_vs_first"] = r["decoder_only_median_s"] / base["decoder_only_median_s"]
     # cross-check: a really prefilled state at a small context steps at the same speed
     Cx = contexts[0]
-    ids = torch.randint(0, ced.cfg.vocab_size, (Cx,), generator=torch.Generator().manual_seed(ctx.seed))
+    ids = torch.randint(0, ced.cfg.vocab_size, (Cx,), generator=torch.Generator().manual_seed(ctx.seed),
+                        device="cpu")                              # token ids: host
+    dev = ctx.device
     st = ced.new_state()
     ced.prefill(ids, st, "bounded", chunk_size=512)
-    real_ced = _steps(ced_step, st, steps, warm)
+    real_ced = _steps(ced_step, st, steps, warm, dev)
     ts = decoder_only.new_state()
     decoder_only.prefill(ids, ts)
-    real_decoder_only = _steps(decoder_only.decode, ts, steps, warm)
-    synth_c = _steps(ced_step, synth_ced_state(ced, Cx, seed=1), steps, warm)
-    synth_t = _steps(decoder_only.decode, synth_decoder_only_state(decoder_only, Cx, seed=1), steps, warm)
+    real_decoder_only = _steps(decoder_only.decode, ts, steps, warm, dev)
+    synth_c = _steps(ced_step, synth_ced_state(ced, Cx, seed=1), steps, warm, dev)
+    synth_t = _steps(decoder_only.decode, synth_decoder_only_state(decoder_only, Cx, seed=1), steps, warm, dev)
     check = {"context": Cx,
              "ced_real_median_s": real_ced["median_s"], "ced_synth_median_s": synth_c["median_s"],
              "ced_real_over_synth": real_ced["median_s"] / synth_c["median_s"],
@@ -80,6 +83,7 @@ def run(ctx: Ctx) -> dict:
     last = rows[-1]
     out = {
         "config": {"contexts": contexts, "steps": steps, "warmup": warm, "batch": 1,
+                   "device": str(ctx.device),
                    "ced_decode_step": ced_step.mode,
                    "caches": "built directly (random values, real sizes); see crosscheck",
                    "weights": "random (seeded)"},

@@ -12,7 +12,8 @@ the engine steps once every prompt is prefilled (drafting, verification, rollbac
 prefill excluded; decode speed = tokens emitted by those steps / that time. Every speculative output is
 compared token for token with the plain one. Tokens per target forward = emitted tokens /
 verification forwards (one per sequence per step); acceptance by position = accepted / verified
-drafts at each block position.
+drafts at each block position. The model, its drafter and the engines live on the run's device
+(`--device`; a GPU is synchronised around each timed step).
 """
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
 from cedlm.bench.common import Ctx, md_table, plt, save_plot, target
+from cedlm.bench.gpu_common import sync
 
 NAME = "dspark"
 TITLE = "DSpark speculative decoding"
@@ -73,8 +77,10 @@ def _run(ctx, model, tok, prompts, max_tokens: int, spec) -> dict:
     reqs = [e.add_request(p, params) for p in prompts]
     while e.has_work:
         decoding = all(r.status in (Status.RUNNING, Status.FINISHED) for r in reqs)
+        sync(ctx.device)
         t0 = time.perf_counter()
         outs = e.step()
+        sync(ctx.device)
         if decoding:
             spent["s"] += time.perf_counter() - t0
             spent["tokens"] += sum(len(o.new_token_ids) for o in outs)
@@ -111,7 +117,8 @@ def run(ctx: Ctx) -> dict:
                            f"--export {path}` or pass --dspark-model DIR",
                 "config": {}, "rows": [], "target": target("tokens per target forward", ">=", 2.5, None)}
     from cedlm.engine.speculative import SpeculativeConfig
-    model, tok = load_model(path)
+    with torch.device("cpu"):           # the checkpoint is read and built on the host, then moved
+        model, tok = load_model(path, device=ctx.device)
     n_prompts, plen, new = ctx.size(8, 2), ctx.size(48, 24), ctx.size(64, 16)
     source, docs = _documents(ctx.quick)
     prompts = _prompts(tok, docs, n_prompts, plen)
@@ -160,7 +167,8 @@ def run(ctx: Ctx) -> dict:
     b1 = by[(1, "dspark_block")]
     best1 = max((by[(1, n)] for n in ("dspark_block", "dspark_scheduled")), key=lambda r: r["speedup"])
     out = {
-        "config": {"model": str(path), "prompt_source": source, "prompts": n_prompts,
+        "config": {"model": str(path), "device": str(ctx.device), "prompt_source": source,
+                   "prompts": n_prompts,
                    "prompt_tokens": plen, "new_tokens": new,
                    "greedy": True, "threshold": THRESHOLD,
                    "block_size": model.cfg.dspark_block_size, "threads": ctx.threads},

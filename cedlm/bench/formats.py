@@ -30,6 +30,9 @@ NAME = "formats"
 TITLE = "KV format codec throughput"
 FMTS = (("kv_fp4", 512), ("index_fp4", 128), ("window_fp8", 512), ("v4_fp8", 512))
 TARGET = 0.3
+CPU_ONLY = ("it times the CPU codec paths (the C++ kernels of cedlm/kernels/csrc, the vectorised "
+            "torch path on host threads) against a host memcpy; on a GPU the codecs are torch "
+            "ops, checked bit-identical to the CPU's by bench/scripts/gpu_check.sh (gpu_exact)")
 
 
 def _interleaved(fns: dict, reps: int, warm: int) -> dict[str, dict]:

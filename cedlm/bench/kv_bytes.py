@@ -39,7 +39,7 @@ def run(ctx: Ctx) -> dict:
                      "formula_bytes_per_token": b, "x_v41": b / v41})
 
     T = ctx.size(512, 256)                       # a multiple of every compress ratio (<= 128)
-    ids = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(ctx.seed))
+    ids = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(ctx.seed), device="cpu")
     measured = []
     # CED-small: the engine's pool and a SequenceState after a real prefill
     ced = ctx.ced()
@@ -56,7 +56,7 @@ def run(ctx: Ctx) -> dict:
     v4 = ctx.v4()
     f_v4 = kv_bytes_per_token(v4.cfg)["total"]
     bt = v4.kv_layout.min_block_tokens
-    pool = BlockPool(v4.kv_layout, 1, bt)
+    pool = BlockPool(v4.kv_layout, 1, bt, device=v4.device)
     st4 = v4.new_state()
     v4.prefill(ids, st4, "full", chunk_size=256)
     nb4 = st4.nbytes()
@@ -79,7 +79,7 @@ def run(ctx: Ctx) -> dict:
     for r in rows[len(OFFICIAL):]:
         r["x_ced_small"] = r["bytes_per_token"] / ced_bpt
     return {
-        "config": {"prefill_tokens": T, "window_note": "global KV only: per-sequence window rings "
+        "config": {"prefill_tokens": T, "device": str(ced.device), "window_note": "global KV only: per-sequence window rings "
                    "are fixed-size and reported by the capacity figure"},
         "rows": rows,
         "formula_equals_allocation": True,

@@ -21,6 +21,12 @@ target); the weight-read bandwidth fraction of CED at batch 1 and the smallest c
 measured in the run (weight_reads.py), beside llama.cpp's. `ttft`: first-token latency of one
 1k-token prompt at batch 1 against the same HF model (no target; `--quick`: 256 tokens).
 
+Device (`--device`): CED and the HF Llama both run on the run's device (weights drawn on the host,
+seeded, then moved; caches built there; a GPU synchronised around every timed run). On a GPU
+the llama.cpp columns and the weight-read bandwidth fractions are not measured, each with its
+reason in `config.cpu_only_skipped` and under the table: llama-cpp-python decodes on the CPU, and
+the bandwidth fraction divides by the host's single-thread read bandwidth.
+
 transformers is an optional extra: when it is absent the figure is skipped with a message, unless
 --install-peer is given: then it pip-installs TRANSFORMERS_PIN into the running interpreter
 (constrained to the installed torch / tokenizers / safetensors / numpy), and llama.cpp's pieces
@@ -92,20 +98,23 @@ def llama_for(transformers, target_params: int, cfg, max_pos: int):
         pad_token_id=0)
     lc._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(lc).eval()
+    with torch.device("cpu"):                    # drawn on the host; the caller moves it
+        model = transformers.LlamaForCausalLM(lc).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
 
 
 def _hf_cache(transformers, model, B: int, C: int, seed: int):
+    """A DynamicCache of B x C tokens on the model's device (random K and V drawn on the host)."""
     c = model.config
     hd = c.hidden_size // c.num_attention_heads
     cache = transformers.DynamicCache()
     g = torch.Generator().manual_seed(seed)
+    dev = model.device
     for l in range(c.num_hidden_layers):
-        k = torch.randn(B, c.num_key_value_heads, C, hd, generator=g)
-        v = torch.randn(B, c.num_key_value_heads, C, hd, generator=g)
+        k = torch.randn(B, c.num_key_value_heads, C, hd, generator=g, device="cpu").to(dev)
+        v = torch.randn(B, c.num_key_value_heads, C, hd, generator=g, device="cpu").to(dev)
         cache.update(k, v, l)
     return cache
 
@@ -113,6 +122,13 @@ def _hf_cache(transformers, model, B: int, C: int, seed: int):
 # CED / HF: issue 27 >= 2x at 512; issue 9 >= 1x to 8k, >= 3x at 32k
 TARGETS = {512: 2.0, 2048: 1.0, 8192: 1.0, 32768: 3.0}
 LLAMA_NA_BATCH = "n/a at batch > 1: llama-cpp-python decodes one sequence"
+# what the figure does not measure on a GPU, and why
+CPU_ONLY_PARTS = {
+    "llama_cpp": "the llama.cpp peer decodes on the CPU (llama-cpp-python is built for the host); "
+                 "against it on a GPU would compare two devices",
+    "bandwidth_fraction": "the weight-read bandwidth fraction divides by the host's single-thread "
+                          "read bandwidth (weight_reads.read_bandwidth), a CPU figure",
+}
 
 
 def _pair(ctx: Ctx, tf, hf, ced, B: int, C: int, new: int, reps: int, lcp, bw: dict) -> dict:
@@ -120,8 +136,9 @@ def _pair(ctx: Ctx, tf, hf, ced, B: int, C: int, new: int, reps: int, lcp, bw: d
     `new` tokens each, runs interleaved, medians. `lcp`: the LlamaCppPeer or None; `bw`: the read
     bandwidth and bytes per token of each side."""
     g = torch.Generator().manual_seed(ctx.seed + B + C)
+    dev = ctx.device
     # ---- HF: generate from a cache holding C tokens
-    ids = torch.randint(1, ced.cfg.vocab_size, (B, C + 1), generator=g)
+    ids = torch.randint(1, ced.cfg.vocab_size, (B, C + 1), generator=g, device="cpu").to(dev)
     mask = torch.ones_like(ids)
     cache = _hf_cache(tf, hf, B, C, ctx.seed + B)
 
@@ -138,7 +155,7 @@ def _pair(ctx: Ctx, tf, hf, ced, B: int, C: int, new: int, reps: int, lcp, bw: d
     step = ced_decode_fn(ced, ctx.engine_options.get("decode_step"))
 
     def ced_gen(n):
-        tok = torch.randint(1, ced.cfg.vocab_size, (B,), generator=g)
+        tok = torch.randint(1, ced.cfg.vocab_size, (B,), generator=g, device="cpu").to(dev)
         for _ in range(n):
             tok = step(tok, states).argmax(-1)
     fns = {"ced": lambda: ced_gen(new), "hf": lambda: hf_gen(new)}
@@ -147,11 +164,11 @@ def _pair(ctx: Ctx, tf, hf, ced, B: int, C: int, new: int, reps: int, lcp, bw: d
         streams = lcp.streams(C, new, ctx.threads, ctx.seed + C)
         fns.update({f"llamacpp_{t}": (lambda s=s: s.decode(new)) for t, s in streams.items()})
     try:
-        st = {k: stats(v) for k, v in measure_interleaved(fns, reps, warmup=1).items()}
+        st = {k: stats(v) for k, v in measure_interleaved(fns, reps, warmup=1, device=dev).items()}
     finally:
         for s in streams.values():
             s.close()
-        del states, cache
+        states = cache = None               # the caches freed (the closures hold the names)
     r = {"batch": B, "context": C, "new_tokens": new,
          "ced_s": st["ced"]["median_s"], "hf_s": st["hf"]["median_s"],
          "ced_tokens_per_s": B * new / st["ced"]["median_s"],
@@ -165,7 +182,7 @@ def _pair(ctx: Ctx, tf, hf, ced, B: int, C: int, new: int, reps: int, lcp, bw: d
                      else "skipped (see config.llama_cpp)")
     r["ced_bandwidth_fraction"] = (bandwidth_fraction(bw["ced_bytes_per_token"],
                                                       r["ced_tokens_per_s"], bw["bytes_per_s"])
-                                   if B == 1 else None)
+                                   if B == 1 and bw["bytes_per_s"] else None)
     msg = ""
     for t in peer_llamacpp.OUTTYPES:
         k = f"llamacpp_{t}"
@@ -191,7 +208,8 @@ def _ttft(ctx: Ctx, hf, ced, S: int, reps: int) -> dict:
     """First-token latency of one S-token prompt, batch 1: HF `generate(max_new_tokens=1)` from
     an empty cache (its prefill, SDPA) vs CED's engine default, a `bounded` prefill in chunks of
     512 tokens into a fresh state plus the argmax. Medians of `reps`, the two interleaved."""
-    ids = torch.randint(1, ced.cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(ctx.seed))
+    ids = torch.randint(1, ced.cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(ctx.seed),
+                        device="cpu").to(ctx.device)
     mask = torch.ones_like(ids)
 
     def hf_first():
@@ -206,8 +224,8 @@ def _ttft(ctx: Ctx, hf, ced, S: int, reps: int) -> dict:
         ced_first()                                                  # warm-up
         t_hf, t_ced = [], []
         for _ in range(reps):
-            t_hf += measure(hf_first, 1, 0)
-            t_ced += measure(ced_first, 1, 0)
+            t_hf += measure(hf_first, 1, 0, device=ctx.device)
+            t_ced += measure(ced_first, 1, 0, device=ctx.device)
     h, c = stats(t_hf), stats(t_ced)
     r = {"prompt_tokens": S, "batch": 1, "ced_s": c["median_s"], "hf_s": h["median_s"],
          "ced_over_hf": c["median_s"] / h["median_s"], "spread": max(c["spread"], h["spread"]),
@@ -220,11 +238,15 @@ def _ttft(ctx: Ctx, hf, ced, S: int, reps: int) -> dict:
 def _weights(ctx: Ctx, ced, lcp) -> dict:
     """The bandwidth-fraction inputs: this machine's single-thread read bandwidth (measured now)
     and the bytes of weights each side reads per decoded token (CED: its active parameters x 4;
-    llama.cpp: the GGUF's tensors at their stored size, one embedding row)."""
-    bw = read_bandwidth(ctx.size(GIB, GIB // 4), ctx.size(5, 3))
+    llama.cpp: the GGUF's tensors at their stored size, one embedding row). Off the CPU the
+    bandwidth is not measured (None: CPU_ONLY_PARTS says why)."""
     active = active_parameters(ced)
-    ctx.log(f"  single-thread read bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s; CED reads "
-            f"{active['total']:,} active parameters per token")
+    if ctx.device.type != "cpu":
+        bw = {"bytes_per_s": None, "skipped": CPU_ONLY_PARTS["bandwidth_fraction"]}
+    else:
+        bw = read_bandwidth(ctx.size(GIB, GIB // 4), ctx.size(5, 3))
+        ctx.log(f"  single-thread read bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s; CED reads "
+                f"{active['total']:,} active parameters per token")
     return {"bytes_per_s": bw["bytes_per_s"], "read_bandwidth": bw, "ced_active_params": active,
             "ced_bytes_per_token": 4 * active["total"],
             "llamacpp_bytes_per_token": {t: w["bytes_per_token"]
@@ -246,9 +268,14 @@ def run(ctx: Ctx) -> dict:
                 "rows": [], "target": target("CED tokens/s / HF Llama tokens/s (worst batch)",
                                              ">=", 1.0, None)}
     # llama.cpp pads n_ctx to a multiple of 256: room for it within the trained length
-    hf = llama_for(tf, target_params, ced.cfg, max(contexts) + new + 512)
+    hf = llama_for(tf, target_params, ced.cfg, max(contexts) + new + 512).to(ctx.device)
     hf_params = sum(p.numel() for p in hf.parameters())
-    lcp, llama_how = peer_llamacpp.setup(ctx, hf)
+    on_cpu = ctx.device.type == "cpu"
+    skipped = {} if on_cpu else {k: f"not measured on {ctx.device}: {v}" for k, v in CPU_ONLY_PARTS.items()}
+    if on_cpu:
+        lcp, llama_how = peer_llamacpp.setup(ctx, hf)
+    else:
+        lcp, llama_how = None, f"llama.cpp peer {skipped['llama_cpp']}"
     ctx.log(f"  {llama_how}")
     bw = _weights(ctx, ced, lcp)
     rows = []
@@ -269,7 +296,8 @@ def run(ctx: Ctx) -> dict:
         rs = [r for r in rows if r["context"] == C]
         targets[f"{C}"] = target(f"CED / HF decode tokens/s at {C:,} context (worst batch)", ">=",
                                  TARGETS.get(C, 1.0), min(r["ratio"] for r in rs))
-    targets.update(peer_llamacpp.targets(rows, contexts))
+    if on_cpu:
+        targets.update(peer_llamacpp.targets(rows, contexts))
     prof = None
     if ctx.profile and not worst_row["met"]:
         from cedlm.bench.profiling import profile_call
@@ -277,12 +305,13 @@ def run(ctx: Ctx) -> dict:
         g = torch.Generator().manual_seed(ctx.seed)
         states = synth_ced_batch(ced, C, B, seed=ctx.seed)
         step = ced_decode_fn(ced, ctx.engine_options.get("decode_step"))
-        step(torch.full((B,), 7), states)
+        seven = torch.full((B,), 7, device=ctx.device)
+        step(seven, states)
         cache = _hf_cache(tf, hf, B, C, ctx.seed)
-        ids = torch.randint(1, ced.cfg.vocab_size, (B, C + 1), generator=g)
+        ids = torch.randint(1, ced.cfg.vocab_size, (B, C + 1), generator=g, device="cpu").to(ctx.device)
         n = ctx.size(4, 2)
         prof = {f"ced_decode_context{C}_batch{B}_{n}_steps": profile_call(
-                    lambda: [step(torch.full((B,), 7), states) for _ in range(n)]),
+                    lambda: [step(seven, states) for _ in range(n)]),
                 f"hf_generate_context{C}_batch{B}_{n}_tokens": profile_call(
                     lambda: hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                         past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
@@ -290,6 +319,7 @@ def run(ctx: Ctx) -> dict:
         del states, cache
     out = {
         "config": {"contexts": contexts, "batches": batches, "new_tokens": new,
+                   "device": str(ctx.device), "cpu_only_skipped": skipped,
                    "transformers": how, "ced_params_without_engram_tables": target_params,
                    "ced_params_total": ced.num_parameters(), "hf_params": hf_params,
                    "hf_config": {k: getattr(hf.config, k) for k in (
@@ -339,7 +369,8 @@ def table(res: dict) -> str:
             + f"\n\nParameters: CED-small {c['ced_params_without_engram_tables']:,} without Engram "
               f"tables ({c['ced_params_total']:,} with); HF Llama {c['hf_params']:,} "
               f"({c['hf_config']}); {c['transformers']}."
-            + peer_llamacpp.table(res)
+            + (peer_llamacpp.table(res) if not c.get("cpu_only_skipped") else "".join(
+                f"\n\n{k.replace('_', ' ').capitalize()}: {v}." for k, v in c["cpu_only_skipped"].items()))
             + (f"\n\nFirst-token latency, one {res['ttft']['prompt_tokens']:,}-token prompt, batch 1 "
                f"(medians): CED {res['ttft']['ced_s'] * 1e3:.0f} ms ({res['ttft']['ced_mode']}), "
                f"HF {res['ttft']['hf_s'] * 1e3:.0f} ms (`generate` from an empty cache): CED takes "

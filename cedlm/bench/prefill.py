@@ -5,7 +5,8 @@ does not depend on values). CED prefills in chunks of 512 tokens (the engine's d
 `prefill_chunk`: its window attention is computed per chunk); the decoder-only baseline runs its prompt in one
 call through fused scaled-dot-product attention (its fastest path). Each mode starts from a fresh
 state; medians of repeated runs after one warm-up on a short prompt. Prompts of 8k and 32k tokens
-(5 and 2 repeats; `--quick`: 2k), each with its own target in `targets`.
+(5 and 2 repeats; `--quick`: 2k), each with its own target in `targets`. Both models run on the
+run's device (`--device`; a GPU is synchronised around each timed prefill).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ LENGTHS = [8192, 32768]                 # issue 9: <= 0.55 at 8k and at 32k
 
 
 def _prompt(ctx: Ctx, vocab: int, S: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (S,), generator=torch.Generator().manual_seed(ctx.seed))
+    return torch.randint(0, vocab, (S,), generator=torch.Generator().manual_seed(ctx.seed),
+                         device="cpu")                          # token ids: host; prefill moves them
 
 
 def _repeats(ctx: Ctx, S: int) -> int:
@@ -39,7 +41,7 @@ def _one_length(ctx: Ctx, ced, decoder_only, S: int) -> tuple[list, dict, dict]:
     res = {name: [] for name in calls}
     for _ in range(_repeats(ctx, S)):                            # interleave modes per repeat
         for name, fn in calls.items():
-            res[name] += measure(fn, 1, 0, setups[name])
+            res[name] += measure(fn, 1, 0, setups[name], device=ctx.device)
             ctx.log(f"  prefill {S} {name}: {res[name][-1]:.2f} s")
     st = {k: stats(v) for k, v in res.items()}
     tw = st["decoder_only"]["median_s"]
@@ -69,7 +71,7 @@ def run(ctx: Ctx) -> dict:
     S0 = lengths[0]
     out = {
         "config": {"prompt_tokens": S0, "lengths": lengths, "repeats": {str(S): _repeats(ctx, S) for S in lengths},
-                   "ced_chunk": CHUNK,
+                   "ced_chunk": CHUNK, "device": str(ctx.device),
                    "decoder_rows_bounded": {str(S): ced.decoder_rows(S, "bounded") for S in lengths},
                    "decoder_rows_exact": {str(S): ced.decoder_rows(S, "exact") for S in lengths},
                    "weights": "random (seeded); timing does not depend on values"},

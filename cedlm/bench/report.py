@@ -28,7 +28,9 @@ Reproduce everything (about 10 minutes with the default single thread on this 2-
     cedlm bench --only decode,resume     # some figures
     cedlm bench --quick                  # small sizes: a smoke test (results in bench/results/quick)
 
-Options: `--threads N` (torch intra-op threads, default 1), `--out DIR`, `--md PATH`,
+Options: `--device auto|cpu|cuda|cuda:N` (default auto: CUDA when available, else the CPU; the
+figures that measure the CPU by nature are skipped on a GPU with their reason), `--threads N`
+(torch intra-op threads, default 1), `--out DIR`, `--md PATH`,
 `--install-peer` (pip-install transformers for the peer figure when it is absent; without it
 the figure is skipped with a message and nothing is installed), `--no-profile`.
 
@@ -45,13 +47,15 @@ change):
 |---|---|
 | `name`, `title`, `schema` | figure id (`kv_bytes`, `capacity`, `prefill`, `decode`, `resume`, `formats`, `peer`, `dspark`), title, schema version (1) |
 | `quick` | true for `--quick` sizes |
-| `env` | `torch`, `python`, `threads`, `cpu` (/proc/cpuinfo model name), `cpu_count`, `platform`, `date` (UTC ISO), `git_commit`, `git_dirty`, `loadavg_at_start` |
+| `device` | the device the figure ran on (`cpu`, `cuda:0`; `--device`) |
+| `env` | `torch`, `python`, `threads`, `cpu` (/proc/cpuinfo model name), `cpu_count`, `platform`, `date` (UTC ISO), `git_commit`, `git_dirty`, `loadavg_at_start`, `device`, `device_description` (GPU name and memory) |
 | `config` | the figure's sizes and settings |
 | `rows` | the measurements, one object per table row (keys below) |
 | `target` | `metric`, `op` (`<=`, `>=`, `==`), `value`, `measured`, `met` (null when not measured), `note` |
 | `notes` | strings: assumptions and side results |
 | `profile` | present when a target was missed: cProfile summaries (`wall_s`, `cumulative`, `own`) |
-| `skipped` | present (a message) when the figure could not run (peer without transformers) |
+| `skipped` | present (a message) when the figure could not run (peer without transformers, a CPU-only figure on a GPU) |
+| `skip_reason` | present when a CPU-only figure was skipped on a GPU: why it measures the CPU by nature |
 | `elapsed_s`, `plot` | the figure's run time and its PNG file name |
 
 Row keys by figure:
@@ -114,7 +118,9 @@ def section(res: dict, mod, md_path: Path, out: Path) -> str:
                   f"{' (dirty tree)' if env.get('git_dirty') else ''}, torch {env.get('torch')}, "
                   f"{env.get('threads')} thread(s), {env.get('cpu')} ({env.get('cpu_count')} CPUs), "
                   f"load average at start {env.get('loadavg_at_start')}; "
-                  f"{'quick' if res.get('quick') else 'full'} sizes; {res.get('elapsed_s', 0):.0f} s.", ""]
+                  f"{'quick' if res.get('quick') else 'full'} sizes; {res.get('elapsed_s', 0):.0f} s"
+                  + (f"; device {env.get('device_description') or res.get('device')}"
+                     if res.get("device", "cpu") != "cpu" else "") + ".", ""]
     if res.get("error"):
         lines += [f"**The figure failed:** `{res['error']}`", ""]
     elif res.get("skipped"):

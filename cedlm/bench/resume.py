@@ -54,17 +54,17 @@ def run(ctx: Ctx) -> dict:
         st = synth_ced_state(ced, C, seed=ctx.seed)
         b_ced = _record_bytes(store, SESSION_PREFIX + "ced", session_record(st, fp))
         assert store.get(SESSION_PREFIX + "ced") is not None
-        rings = {f"win.{l}": st.window[l] for l in st.window}
-        rings.update({f"winpos.{l}": st.window_pos[l] for l in st.window_pos})
+        rings = {f"win.{l}": st.window[l].cpu() for l in st.window}      # a record's arrays: host
+        rings.update({f"winpos.{l}": st.window_pos[l].cpu() for l in st.window_pos})
         b_ced_rings = _record_bytes(store, "rings:ced", Record(meta={"kind": "rings"}, arrays=rings))
         s4 = synth_ced_state(v4, C, seed=ctx.seed)
         b_v4 = _record_bytes(store, SESSION_PREFIX + "v4", session_record(s4, fp4))
-        rings4 = {f"win.{l}": s4.window[l] for l in s4.window}
-        rings4.update({f"winpos.{l}": s4.window_pos[l] for l in s4.window_pos})
+        rings4 = {f"win.{l}": s4.window[l].cpu() for l in s4.window}
+        rings4.update({f"winpos.{l}": s4.window_pos[l].cpu() for l in s4.window_pos})
         b_v4_rings = _record_bytes(store, "rings:v4", Record(meta={"kind": "rings"}, arrays=rings4))
         wb = s4.window[0].shape[1]
         g = torch.Generator().manual_seed(1)
-        every = {f"win.{l}": torch.randint(0, 255, (C, wb), dtype=torch.uint8, generator=g)
+        every = {f"win.{l}": torch.randint(0, 255, (C, wb), dtype=torch.uint8, generator=g, device="cpu")
                  for l in range(v4.cfg.n_layers)}
         b_v4_every = _record_bytes(store, "windows:v4", Record(meta={"kind": "windows"}, arrays=every))
         del every, s4
@@ -89,15 +89,16 @@ def run(ctx: Ctx) -> dict:
         times = {}
         for mode in ("bounded", "exact"):
             times[f"restore_{mode}"] = measure(
-                lambda: restore_session(ced, store, "ced", fp, mode), reps, 0)
+                lambda: restore_session(ced, store, "ced", fp, mode), reps, 0, device=ctx.device)
             ctx.log(f"  restore {mode}: {min(times[f'restore_{mode}']):.2f} s")
         # the store read alone (no replay), for the breakdown
         from cedlm.engine.session import state_from_record
         times["store_read"] = measure(
-            lambda: state_from_record(ced, store.get(SESSION_PREFIX + "ced"), fp), reps, 0)
+            lambda: state_from_record(ced, store.get(SESSION_PREFIX + "ced"), fp), reps, 0,
+            device=ctx.device)
         n_pre = ctx.size(2, 1)
         times["reprefill"] = measure(lambda s: ced.prefill(ids, s, "bounded", chunk_size=512),
-                                     n_pre, 0, ced.new_state)
+                                     n_pre, 0, ced.new_state, device=ctx.device)
         ctx.log(f"  re-prefill {C}: {times['reprefill'][0]:.1f} s")
     st_ = {k: stats(v) for k, v in times.items()}
     pre = st_["reprefill"]["median_s"]
@@ -121,7 +122,7 @@ def run(ctx: Ctx) -> dict:
     official["ratio"] = official["v41_bytes_per_token"] / \
         official["v4_flash_with_every_token_windows_bytes_per_token"]
     return {
-        "config": {"context": C, "repeats": reps, "reprefill_runs": n_pre,
+        "config": {"context": C, "repeats": reps, "reprefill_runs": n_pre, "device": str(ctx.device),
                    "sessions": "built directly (random valid global KV, random ids); replay and "
                                "re-prefill are real",
                    "window_tokens": ced.cfg.sliding_window, "n_layers": ced.cfg.n_layers},

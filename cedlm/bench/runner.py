@@ -1,7 +1,13 @@
-"""Run figures: time each, attach the environment, write JSON + PNG, print the table, update
+"""Run figures: time each, attach the environment and the device, write JSON + PNG, print the
+table, update BENCHMARKS.md.
+
+A figure runs on the run's device (`Ctx.device`). A figure that measures the CPU by nature (its
+C++ kernels, the host's memory) sets `CPU_ONLY` to the reason; on another device it is not run
+but recorded as skipped with that reason (`skip_reason`), in its JSON, the printed table and
 BENCHMARKS.md."""
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 from pathlib import Path
@@ -27,6 +33,20 @@ def select(only: str | None) -> list[str]:
     return [n for n in FIGURES if n in names]
 
 
+def skip_reason(mod, device: torch.device) -> str | None:
+    """Why figure `mod` does not run on `device` (None: it runs). Only the CPU runs a figure with
+    `CPU_ONLY` set."""
+    reason = getattr(mod, "CPU_ONLY", None)
+    if reason is None or torch.device(device).type == "cpu":
+        return None
+    return f"{mod.NAME} skipped on {torch.device(device)}: {reason}"
+
+
+def plan(names: list[str], device: torch.device) -> dict:
+    """Figure name -> None (runs on `device`) or the reason it is skipped there."""
+    return {name: skip_reason(FIGURES[name], device) for name in names}
+
+
 def run_figures(names: list[str], ctx: Ctx, md_path: Path | None) -> list[dict]:
     torch.set_num_threads(ctx.threads)
     ctx.out.mkdir(parents=True, exist_ok=True)
@@ -34,19 +54,27 @@ def run_figures(names: list[str], ctx: Ctx, md_path: Path | None) -> list[dict]:
     for name in names:
         mod = FIGURES[name]
         ctx.log(f"== {name}: {mod.TITLE} ({'quick' if ctx.quick else 'full'} sizes, "
-                f"{torch.get_num_threads()} thread(s))")
-        env = env_block()
+                f"{torch.get_num_threads()} thread(s), {ctx.device})")
+        env = env_block(ctx.device)
         t0 = time.perf_counter()
+        why = skip_reason(mod, ctx.device)
         try:
-            with torch.no_grad():
-                res = mod.run(ctx)
+            if why is not None:
+                res = {"skipped": why, "skip_reason": mod.CPU_ONLY, "config": {}, "rows": [],
+                       "target": {"metric": "", "op": "==", "value": True, "measured": None,
+                                  "met": None, "note": why}}
+            else:
+                # a CPU-only figure's tensors are host tensors by nature: the CPU is its device
+                host = torch.device("cpu") if getattr(mod, "CPU_ONLY", None) else contextlib.nullcontext()
+                with torch.no_grad(), host:
+                    res = mod.run(ctx)
         except Exception as e:                      # record the failure, go on with the rest
             traceback.print_exc()
             res = {"error": f"{type(e).__name__}: {e}", "config": {}, "rows": [],
                    "target": {"metric": "", "op": "==", "value": True, "measured": None,
                               "met": None, "note": "the figure failed"}}
-        res = {"name": name, "title": mod.TITLE, "schema": SCHEMA, "quick": ctx.quick, "env": env,
-               **res, "elapsed_s": time.perf_counter() - t0}
+        res = {"name": name, "title": mod.TITLE, "schema": SCHEMA, "quick": ctx.quick,
+               "device": str(ctx.device), "env": env, **res, "elapsed_s": time.perf_counter() - t0}
         res["plot"] = None
         if not res.get("error") and not res.get("skipped"):
             png = ctx.out / f"{name}.png"

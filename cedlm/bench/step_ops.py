@@ -26,6 +26,9 @@ from cedlm.bench.common import (Ctx, ced_decode_fn, md_table, measure_interleave
 
 NAME = "step_ops"
 TITLE = "Interpreter cost of a decoded token: torch ops and Python calls"
+CPU_ONLY = ("it counts the CPU profiler's ops and the Python calls of the CPU compiled step "
+            "(inductor's C++ graph) against its targets; on a GPU the step replays a captured "
+            "CUDA graph (its time is the decode and peer figures')")
 
 
 def _count_ops(fn, n: int) -> dict:

@@ -78,7 +78,7 @@ def read_bandwidth(nbytes: int = GIB, repeats: int = 5, threads: int = 1) -> dic
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x = torch.ones(nbytes // 4, dtype=torch.float32)
+        x = torch.ones(nbytes // 4, dtype=torch.float32, device="cpu")     # host memory, by definition
         x.sum()
         times = []
         for _ in range(repeats):
