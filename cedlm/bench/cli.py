@@ -71,6 +71,8 @@ def run(args) -> int:
         device = resolve_device(getattr(args, "device", None), "device")
     except ValueError as e:
         raise SystemExit(f"cedlm bench: error: {e}")
+    import torch
+    torch.set_num_threads(args.threads)               # before the line that reports them
     print(f"cedlm bench: device {describe_device(device)}", flush=True)
     for name, why in plan(names, device).items():
         if why is not None:

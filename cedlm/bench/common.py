@@ -54,13 +54,14 @@ def git_commit() -> tuple[str | None, bool | None]:
 
 
 def env_block(device: torch.device | None = None) -> dict:
-    """The run's environment; `device`: the device the figures run on (its description too)."""
+    """The run's environment; with `device` (the device the figures run on) also `device` and
+    its `device_description` (GPU name and memory)."""
     head, dirty = git_commit()
     try:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         load = None
-    return {
+    env = {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
@@ -71,9 +72,10 @@ def env_block(device: torch.device | None = None) -> dict:
         "git_commit": head,
         "git_dirty": dirty,
         "loadavg_at_start": load,
-        "device": str(device or "cpu"),
-        "device_description": _describe(device or torch.device("cpu")),
     }
+    if device is not None:
+        env.update(device=str(device), device_description=_describe(torch.device(device)))
+    return env
 
 
 def _describe(device: torch.device) -> str:
