@@ -93,6 +93,8 @@ def check_args(a: argparse.Namespace) -> None:
         raise ValueError(f"--max-len: must be >= 32 tokens, got {a.max_len}")
     if a.max_minutes is not None and not a.max_minutes > 0:
         raise ValueError(f"--max-minutes: must be > 0, got {a.max_minutes}")
+    from cedlm.train.runner import stage_device
+    stage_device(a.device)          # a device this torch cannot use, before any file is read
     if not Path(a.data, "train.txt").exists():
         raise ValueError(f"--data: no train.txt in {a.data} (run `cedlm data prepare`)")
 
