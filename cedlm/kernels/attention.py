@@ -1,6 +1,7 @@
-"""The compiled sparse attention: one softmax over [window keys || selected compressed keys || a
-per-head sink logit], the same computation as the einsums of ``attend`` in
-``cedlm/model/attention.py`` (which calls these first), float32 rounding apart.
+"""Sparse attention: one softmax over [window keys || selected compressed keys || a per-head sink
+logit], K = V. ``attend_reference`` is its readable torch form (the einsums), which
+``attend`` in ``cedlm/model/attention.py`` and the custom op ``cedlm::attend`` (``ops.py``) run
+when no compiled kernel does; the compiled kernels compute the same, float32 rounding apart.
 
 * ``attend_sparse`` (``csrc/attend.h``): keys already decoded to float32 (tests/test_attend_fast.py).
 * ``attend_packed`` (``csrc/attend_packed.h``): keys still in the KV cache's storage bytes
@@ -8,9 +9,9 @@ per-head sink logit], the same computation as the einsums of ``attend`` in
   loop with the codec's own tables, so no decoded float32 copy of the selected entries or of the
   window is written (tests/test_attend_packed.py).
 
-Each returns None for the reference path: training (autograd), other devices or dtypes, the
-kernels not built, the reference switch (``CEDLM_REFERENCE_KERNELS=1``), a format the compiled
-decode does not read.
+Each compiled kernel returns None for the reference path: training (autograd), other devices or
+dtypes, the kernels not built, the reference switch (``CEDLM_REFERENCE_KERNELS=1``), a format the
+compiled decode does not read.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import torch
 from .codecs import decode, ext_format
 from .gate import inference_op
 
-__all__ = ["PackedKeys", "attend_sparse", "attend_packed", "available", "unpacked"]
+__all__ = ["PackedKeys", "attend_reference", "attend_sparse", "attend_packed", "available",
+           "unpacked"]
+
+NEG = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,36 @@ class PackedKeys:
 def unpacked(keys):
     """float32 keys for the readable reference: ``keys`` decoded if packed, else unchanged."""
     return keys.decoded() if isinstance(keys, PackedKeys) else keys
+
+
+def attend_reference(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool = False,
+                     return_probs: bool = False):
+    """The readable attention (float32 keys): scores of the window keys and of the compressed
+    keys, -inf where not valid, one softmax with the sink logit appended (it takes mass, adds no
+    value), then the probability-weighted sum of the same keys (K = V).
+
+    q [B,T,H,hd]; win_k [B,W,hd], win_valid [B,T,W]; sink [H]; comp_k None (window only), or
+    dense=False: comp_k [B,T,k,hd] gathered per query, comp_valid [B,T,k];
+    dense=True: comp_k [B,N,hd] all entries, comp_valid [B,T,N] top-k mask.
+    Returns [B,T,H,hd] float32; with return_probs, also the probabilities of the compressed
+    entries [B,H,T,N or k]."""
+    qf = q.float()
+    sw = torch.einsum("bthd,bwd->bhtw", qf, win_k.float()) * scale
+    sw = sw.masked_fill(~win_valid.unsqueeze(1), NEG)
+    parts = [sw]
+    if comp_k is not None:
+        eq = "bthd,bnd->bhtn" if dense else "bthd,btnd->bhtn"
+        sc = torch.einsum(eq, qf, comp_k.float()) * scale
+        parts.append(sc.masked_fill(~comp_valid.unsqueeze(1), NEG))
+    B, H, T = sw.shape[:3]
+    parts.append(sink.float().view(1, H, 1, 1).expand(B, H, T, 1))
+    p = torch.cat(parts, -1).softmax(-1)
+    W = sw.shape[-1]
+    out = torch.einsum("bhtw,bwd->bthd", p[..., :W], win_k.float())
+    if comp_k is not None:
+        eq = "bhtn,bnd->bthd" if dense else "bhtn,btnd->bthd"
+        out = out + torch.einsum(eq, p[..., W:-1], comp_k.float())
+    return (out, p[..., W:-1]) if return_probs else out
 
 
 def available(q, win_k, comp_k, sink) -> bool:

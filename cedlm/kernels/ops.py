@@ -12,7 +12,9 @@ device (a few microseconds of dispatch, measured against about 45 for
 ``torch.library.custom_op``, whose autograd wrapper these inference-only ops do not need); they
 call the extension's functions directly. The codec ops are bit-identical to
 ``cedlm.kernels.encode`` / ``decode`` / ``quant_dequant`` (they call them); the others agree with
-their references as the eager fast paths do (``index.py``, ``attention.py``).
+their readable references as the eager fast paths do, and run those very functions, the ones the
+eager model runs, where the kernel does not (``index.py``: ``score_reference``,
+``topk_reference``; ``attention.py``: ``attend_reference``).
 
     cedlm::encode(x, fmt)                    float [..., dim] -> uint8 [..., bytes]
     cedlm::decode(b, fmt, dim)               uint8 [..., bytes] -> float32 [..., dim]
@@ -29,9 +31,9 @@ import torch
 from torch import Tensor
 
 from . import codecs, gate
+from .attention import attend_reference
 from .codecs import ext_format
-
-NEG = float("-inf")
+from .index import score_reference, topk_reference
 
 _LIB = torch.library.Library("cedlm", "DEF")
 _SCHEMAS = {
@@ -122,11 +124,6 @@ def _(x, fmt):
 
 
 # ---------------------------------------------------------------- indexer
-def _score_reference(q, w, keys, visible):
-    s = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).relu()
-    return torch.einsum("bthn,bth->btn", s, w.float()).masked_fill(~visible, NEG)
-
-
 @_impl("index_score")
 def index_score(q: Tensor, w: Tensor, raw: Tensor, visible: Tensor, fmt: str) -> Tensor:
     """q [B,T,h,d], w [B,T,h], raw uint8 [B,N,bytes] packed keys, visible [B,T,N] -> [B,T,N]."""
@@ -135,7 +132,7 @@ def index_score(q: Tensor, w: Tensor, raw: Tensor, visible: Tensor, fmt: str) ->
         return op(q.float().contiguous(), w.float().contiguous(), raw.contiguous(),
                   visible.contiguous(), *kind)
     keys = codecs.decode(raw, fmt, q.shape[-1])
-    return _score_reference(q, w, keys, visible)
+    return score_reference(q, w, keys, visible)
 
 
 @_fake("index_score")
@@ -149,9 +146,8 @@ def stable_topk(score: Tensor, k: int) -> tuple[Tensor, Tensor]:
     op = gate.ext_op("stable_topk", score)
     if op is not None and score.dtype == torch.float32:
         return op(score.contiguous(), k)
-    N = score.shape[-1]
-    vals, order = torch.sort(score.flip(-1), dim=-1, descending=True, stable=True)
-    return (N - 1 - order[..., :k]).contiguous(), vals[..., :k].contiguous()
+    ids, vals = topk_reference(score, k)
+    return ids.contiguous(), vals.contiguous()
 
 
 @_fake("stable_topk")
@@ -161,21 +157,6 @@ def _(score, k):
 
 
 # ---------------------------------------------------------------- attention
-def attend_reference(q, win_k, win_valid, comp_k, comp_valid, sink, scale):
-    """The einsums of ``cedlm.model.attention.attend`` (sparse form): one softmax over
-    [window keys || the selected compressed keys || a per-head sink logit], K = V."""
-    qf = q.float()
-    sw = torch.einsum("bthd,bwd->bhtw", qf, win_k.float()) * scale
-    sw = sw.masked_fill(~win_valid.unsqueeze(1), NEG)
-    sc = torch.einsum("bthd,btnd->bhtn", qf, comp_k.float()) * scale
-    sc = sc.masked_fill(~comp_valid.unsqueeze(1), NEG)
-    B, H, T = sw.shape[:3]
-    p = torch.cat((sw, sc, sink.float().view(1, H, 1, 1).expand(B, H, T, 1)), -1).softmax(-1)
-    W = sw.shape[-1]
-    return (torch.einsum("bhtw,bwd->bthd", p[..., :W], win_k.float())
-            + torch.einsum("bhtn,btnd->bthd", p[..., W:-1], comp_k.float()))
-
-
 @_impl("attend")
 def attend(q: Tensor, win_k: Tensor, win_valid: Tensor, comp_k: Tensor, comp_valid: Tensor,
            sink: Tensor, scale: float) -> Tensor:

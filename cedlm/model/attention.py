@@ -17,12 +17,12 @@ from torch import nn
 from cedlm.config import ModelConfig
 from cedlm.model.compressor import Compressor
 from cedlm.model.forward_batch import ForwardBatch
-from cedlm.model.indexer import NEG, Indexer
+from cedlm.model.indexer import Indexer
 from cedlm.model.kv_cache import KVCache
 from cedlm.model.norm import RMSNorm, rms
 from cedlm.model.rope import Rope
 from cedlm.kernels import attention as kernels_attention
-from cedlm.kernels.attention import PackedKeys, unpacked
+from cedlm.kernels.attention import PackedKeys, attend_reference, unpacked
 from cedlm.kernels import store_round
 
 
@@ -32,10 +32,11 @@ def attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool, re
     q [B,T,H,hd]; win_k [B,W,hd], win_valid [B,T,W]; sink [H].
     dense=False: comp_k [B,T,k,hd] gathered per query, comp_valid [B,T,k]. Either may also be
     `PackedKeys` (the cache's bytes and an index of the same shape less hd, dense=False only):
-    the compiled kernel decodes them inside its loop, the einsums below read them decoded.
+    the compiled kernel decodes them inside its loop, the reference reads them decoded.
     dense=True (reference / training): comp_k [B,N,hd] all entries, comp_valid [B,T,N] top-k mask.
     Returns [B, T, H, hd] fp32; with return_probs, also the probabilities of the compressed
-    entries [B, H, T, N or k] (indexer distillation).
+    entries [B, H, T, N or k] (indexer distillation). The readable math (the einsums) is
+    `attend_reference` in cedlm/kernels/attention.py, shared with the custom op `cedlm::attend`.
     """
     if not (dense or return_probs):   # compiled (attend.h, attend_packed.h), float32 rounding apart
         packed = any(isinstance(k, PackedKeys) for k in (win_k, comp_k))
@@ -44,23 +45,7 @@ def attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool, re
         if fast is not None:
             return fast
     win_k, comp_k = unpacked(win_k), unpacked(comp_k)     # keys still in their storage bytes
-    qf = q.float()
-    sw = torch.einsum("bthd,bwd->bhtw", qf, win_k.float()) * scale
-    sw = sw.masked_fill(~win_valid.unsqueeze(1), NEG)
-    parts = [sw]
-    if comp_k is not None:
-        eq = "bthd,bnd->bhtn" if dense else "bthd,btnd->bhtn"
-        sc = torch.einsum(eq, qf, comp_k.float()) * scale
-        parts.append(sc.masked_fill(~comp_valid.unsqueeze(1), NEG))
-    B, H, T = sw.shape[:3]
-    parts.append(sink.float().view(1, H, 1, 1).expand(B, H, T, 1))
-    p = torch.cat(parts, -1).softmax(-1)                     # the sink takes mass, adds no value
-    W = sw.shape[-1]
-    out = torch.einsum("bhtw,bwd->bthd", p[..., :W], win_k.float())
-    if comp_k is not None:
-        eq = "bhtn,bnd->bthd" if dense else "bhtn,btnd->bthd"
-        out = out + torch.einsum(eq, p[..., W:-1], comp_k.float())
-    return (out, p[..., W:-1]) if return_probs else out
+    return attend_reference(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense, return_probs)
 
 
 class Attention(nn.Module):

@@ -232,13 +232,17 @@ class CompiledDecode:
     def shape_for(self, states: list[SequenceState], paged: bool | None = None) -> step_.StepShapes:
         """The step's static description for this call: `flat` when one sequence's rows are
         contiguous buffers (read in place; the engine's paged rows go through the table)."""
-        flat = (not paged and len(states) == 1
-                and isinstance(states[0].kv[self.shapes.sources[0]], ByteRows))
+        flat = not paged and self._one_contiguous(states)
         if flat not in self._shapes:
             sh = copy.copy(self.shapes)
             sh.flat = flat
             self._shapes[flat] = sh
         return self._shapes[flat]
+
+    def _one_contiguous(self, states: list[SequenceState]) -> bool:
+        """Whether the call is one sequence whose rows are its own contiguous buffers
+        (`ByteRows`), not rows of the engine's paged pool."""
+        return len(states) == 1 and isinstance(states[0].kv[self.shapes.sources[0]], ByteRows)
 
     def inputs(self, ids: torch.Tensor, states: list[SequenceState]):
         """The step's tensors (see `step.decode_step`), on the model's device."""
@@ -262,7 +266,7 @@ class CompiledDecode:
         else:
             rings = torch.stack([st.window_all for st in states], 1)
             ring_pos = torch.stack([st.window_pos_all for st in states], 1)
-        if B == 1 and isinstance(states[0].kv[self.shapes.sources[0]], ByteRows):
+        if self._one_contiguous(states):
             st = states[0]                   # the entry this token may complete needs a row,
             for rows in (*st.kv.values(), *st.index.values()):    # and the top-k a full k
                 rows.reserve(max(rows.n + 1, self.model.cfg.index_topk))

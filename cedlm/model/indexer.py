@@ -38,9 +38,7 @@ def stable_topk(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     fast = kernels_index.stable_topk(score, k)   # compiled (index.h), bit-identical, else None
     if fast is not None:
         return fast
-    N = score.shape[-1]
-    vals, order = torch.sort(score.flip(-1), dim=-1, descending=True, stable=True)
-    return (N - 1 - order[..., :k]), vals[..., :k]
+    return kernels_index.topk_reference(score, k)       # a stable sort of the reversed scores
 
 
 def candidate_pool(score: torch.Tensor, n_visible: torch.Tensor, block: int, topk_blocks: int
@@ -109,10 +107,11 @@ class Indexer(nn.Module):
 
     @staticmethod
     def score(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """q [B,T,h,d], w [B,T,h], keys [B,N,d], visible [B,T,N] -> [B,T,N] (-inf invisible)."""
-        s = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).relu()
-        s = torch.einsum("bthn,bth->btn", s, w)
-        return s.masked_fill(~visible, NEG)
+        """q [B,T,h,d], w [B,T,h], keys [B,N,d], visible [B,T,N] -> [B,T,N] (-inf invisible):
+        I(t, s) = sum_j w(t, j) * ReLU(q(t, j) . k(s)), the einsums of
+        `score_reference` in cedlm/kernels/index.py (shared with the custom op
+        `cedlm::index_score`)."""
+        return kernels_index.score_reference(q, w, keys, visible)
 
     def score_cached(self, q: torch.Tensor, w: torch.Tensor, cache: KVCache, visible: torch.Tensor
                      ) -> torch.Tensor:
