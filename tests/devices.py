@@ -39,13 +39,14 @@ FAKE_DEVICE = "cuda" if torch.backends.cuda.is_built() else "meta"   # see the m
 
 @contextlib.contextmanager
 def implicit_device_guard():
-    """Within the block, a tensor created without an explicit device is put on ``meta``."""
-    prev = torch.get_default_device()
-    torch.set_default_device("meta")
-    try:
+    """Within the block, a tensor created without an explicit device is put on ``meta``.
+
+    ``with torch.device("meta")`` pushes torch's device mode for the block and pops it after.
+    (``torch.set_default_device(prev)`` would not restore the state before: setting the CPU back
+    leaves a device mode installed for good, and torch.compile cannot trace under one: a later
+    compile in the same process then fails with "Attempted to call a super() attribute".)"""
+    with torch.device("meta"):
         yield
-    finally:
-        torch.set_default_device(prev)
 
 
 def fake_cuda(module: torch.nn.Module):
