@@ -21,15 +21,20 @@ ROOT = Path(__file__).resolve().parents[1]
 WINDOW = 64                      # the shipped model's sliding window
 
 
+def _doc(path: Path) -> str:
+    """A repository text without the control-token strings it quotes (`<｜User｜>`, the image
+    token ...): message content with the image token is refused by the chat encoder."""
+    return re.sub(r"<｜[^｜<>]*｜>", "", path.read_text("utf-8"))
+
+
 @pytest.fixture(scope="module")
 def tokens(tok):
-    return np.asarray(tok.encode((ROOT / "README.md").read_text("utf-8")), dtype=np.uint16)
+    return np.asarray(tok.encode(_doc(ROOT / "README.md")), dtype=np.uint16)
 
 
 @pytest.fixture(scope="module")
 def examples(tok):
-    docs = [("austen", (ROOT / "README.md").read_text("utf-8")),
-            ("moby", (ROOT / "docs" / "architecture.md").read_text("utf-8"))]
+    docs = [("austen", _doc(ROOT / "README.md")), ("moby", _doc(ROOT / "docs" / "architecture.md"))]
     return D.build_examples(docs, tok, 40, seed=1, max_len=160, weights={"smalltalk": 0.5, "source": 0.5},
                             multi_turn=0.3, system=0.3, thinking=0.3)
 
