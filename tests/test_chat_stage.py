@@ -47,6 +47,19 @@ PYDOC = ("Built-in Functions\n==================\n\nThe Python interpreter has a
          "Each entry says what it returns.\nSee also the library reference.\n")
 
 
+def save_tiny_checkpoint(directory: Path, tok) -> Path:
+    """A `tiny`-preset model directory on tokenizer `tok` (seed 0): the training stages' --init."""
+    from cedlm import checkpoint as ck
+    from cedlm.config import ModelConfig
+    from cedlm.model import CEDModel
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny").replace(vocab_size=tok.vocab_size, engram_compressed_vocab_size=tok.vocab_size,
+                                             dspark_noise_token_id=tok.vocab_size - 1)
+    model = CEDModel(cfg)
+    ck.set_token_map(model, tok)
+    return ck.save_checkpoint(directory, model, tok)
+
+
 def make_corpus(root: Path, repeat: int = 3) -> Path:
     """A corpus dir in the layout of `cedlm data prepare` (train.txt, val.txt, manifest.json)."""
     srcs = {"austen": [PROSE * 10], "kjv": [KJV], "pydoc": [PYDOC * 3], "pystdlib": [CODE * 3],

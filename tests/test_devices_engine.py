@@ -242,15 +242,8 @@ def test_fidelity_measurement_is_the_same_under_the_implicit_device_guard():
 @pytest.fixture(scope="module")
 def stage_model(tmp_path_factory, tok):
     """A tiny model directory on the shipped tokenizer (the training stages' --init)."""
-    from cedlm import checkpoint as ck
-    from cedlm.config import ModelConfig
-    from cedlm.model import CEDModel
-    torch.manual_seed(0)
-    cfg = ModelConfig.preset("tiny").replace(vocab_size=tok.vocab_size, engram_compressed_vocab_size=tok.vocab_size,
-                                             dspark_noise_token_id=tok.vocab_size - 1)
-    model = CEDModel(cfg)
-    ck.set_token_map(model, tok)
-    return ck.save_checkpoint(tmp_path_factory.mktemp("tiny") / "model", model, tok)
+    from tests.test_chat_stage import save_tiny_checkpoint
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", tok)
 
 
 def _stage_args(module, argv):
@@ -328,7 +321,6 @@ def test_vision_stage_pieces_are_the_same_under_the_implicit_device_guard():
     the greedy accuracy check, with host batches and patches moved to the model's device: the same
     values under the guard."""
     pytest.importorskip("sklearn")
-    import random  # noqa: F401 - the stage's own rng is not used here
 
     from cedlm.config import ModelConfig
     from cedlm.config.vision import VisionConfig

@@ -8,19 +8,12 @@ import pytest
 import torch
 
 from cedlm import checkpoint as ck
-from cedlm.config import ModelConfig
-from cedlm.model.model import CEDModel
-from tests.test_chat_stage import make_corpus
+from tests.test_chat_stage import make_corpus, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, tok):
-    torch.manual_seed(0)
-    cfg = ModelConfig.preset("tiny").replace(vocab_size=tok.vocab_size, engram_compressed_vocab_size=tok.vocab_size,
-                                             dspark_noise_token_id=tok.vocab_size - 1)
-    model = CEDModel(cfg)
-    ck.set_token_map(model, tok)
-    return ck.save_checkpoint(tmp_path_factory.mktemp("tiny") / "model", model, tok)
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", tok)
 
 
 def test_tiny_run_trains_only_the_drafter_and_exports_it(tiny_dir, tmp_path, capsys):

@@ -8,15 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from cedlm import checkpoint as ck
 from cedlm.cli import main
-from cedlm.config import ModelConfig
-from cedlm.model.model import CEDModel
 from cedlm.train.optim import cosine_lr
 from cedlm.train.runner import MetricsLog, StepLoop, TimeBudget, run_steps
-from tests.test_chat_stage import make_corpus
+from tests.test_chat_stage import make_corpus, save_tiny_checkpoint
 
 STAGES = ["pretrain", "chat", "indexer", "dspark", "vision"]
 
@@ -84,12 +81,7 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, tok):
-    torch.manual_seed(0)
-    cfg = ModelConfig.preset("tiny").replace(vocab_size=tok.vocab_size, engram_compressed_vocab_size=tok.vocab_size,
-                                             dspark_noise_token_id=tok.vocab_size - 1)
-    model = CEDModel(cfg)
-    ck.set_token_map(model, tok)
-    return ck.save_checkpoint(tmp_path_factory.mktemp("tiny") / "model", model, tok)
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", tok)
 
 
 def _run_dir_ok(out: Path, n_steps: int, summary: str = "summary.json") -> list[dict]:

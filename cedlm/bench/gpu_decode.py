@@ -84,6 +84,8 @@ def device_states(model, context: int, batch: int, device, seed: int = 0, margin
 
 
 def _hf_cache(tf, hf, B: int, C: int, device):
+    """A DynamicCache of B x C random tokens drawn on the device itself (peer._hf_cache draws on
+    the host for CPU-reproducible values; here gigabytes at 32k x 64 would cost the time budget)."""
     c = hf.config
     hd = c.hidden_size // c.num_attention_heads
     cache = tf.DynamicCache()
@@ -112,18 +114,14 @@ def _ced_runner(model, step, B: int, C: int, new: int, margin: int, device, seed
 
 
 def _hf_runner(tf, hf, B: int, C: int, new: int, device, seed: int):
+    from cedlm.bench.peer import hf_generate_from_cache
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, hf.config.vocab_size, (B, C + 1), generator=g, device="cpu").to(device)
     mask = torch.ones_like(ids)
     cache = _hf_cache(tf, hf, B, C, device)
 
     def run():
-        out = hf.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
-                          max_new_tokens=new, min_new_tokens=new, do_sample=False, use_cache=True)
-        assert out.shape == (B, C + 1 + new), out.shape
-        extra = cache.get_seq_length() - C
-        if extra > 0:
-            cache.crop(-extra)                   # back to the C cached tokens
+        hf_generate_from_cache(hf, ids, mask, cache, C, new)
     return run
 
 

@@ -119,6 +119,18 @@ def _hf_cache(transformers, model, B: int, C: int, seed: int):
     return cache
 
 
+def hf_generate_from_cache(model, ids, mask, cache, C: int, n: int) -> None:
+    """Greedy-decode n tokens with HF `generate` after `cache` (holding C tokens; `ids` are those
+    C tokens and the next one), then crop the cache back to its C tokens for the next run."""
+    B = ids.shape[0]
+    out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
+                         max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True)
+    assert out.shape == (B, C + 1 + n), out.shape
+    extra = cache.get_seq_length() - C
+    if extra > 0:
+        cache.crop(-extra)
+
+
 # CED / HF: issue 27 >= 2x at 512; issue 9 >= 1x to 8k, >= 3x at 32k
 TARGETS = {512: 2.0, 2048: 1.0, 8192: 1.0, 32768: 3.0}
 LLAMA_NA_BATCH = "n/a at batch > 1: llama-cpp-python decodes one sequence"
@@ -143,12 +155,7 @@ def _pair(ctx: Ctx, tf, hf, ced, B: int, C: int, new: int, reps: int, lcp, bw: d
     cache = _hf_cache(tf, hf, B, C, ctx.seed + B)
 
     def hf_gen(n):
-        out = hf.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
-                          max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True)
-        assert out.shape == (B, C + 1 + n), out.shape
-        extra = cache.get_seq_length() - C
-        if extra > 0:
-            cache.crop(-extra)                   # back to the C prefilled tokens
+        hf_generate_from_cache(hf, ids, mask, cache, C, n)
         assert cache.get_seq_length() == C
     # ---- CED: B states of C tokens, greedy decode through the one step function
     states = synth_ced_batch(ced, C, B, seed=ctx.seed, new_tokens=new * (reps + 2))
