@@ -29,7 +29,7 @@ import time
 import torch
 
 from cedlm.bench.common import GIB, md_table
-from cedlm.bench.gpu_common import LiveBytes, on_device, storage_bytes, tensors_on
+from cedlm.bench.gpu_common import LiveBytes, storage_bytes, tensors_on
 
 NAME = "capacity"
 PRESETS = ("small40", "small40-v4flash")
@@ -46,7 +46,7 @@ def _new_state(layout, pool, device):
     from cedlm.cache.block_pool import BlockTable
     from cedlm.model.state import SequenceState
     table = BlockTable(pool)
-    st = on_device(device, SequenceState, layout, pool.rows(table))
+    st = SequenceState(layout, pool.rows(table), device=device)
     st.pending = {s: (torch.zeros(r - 1, d, device=device), torch.zeros(r - 1, d, device=device))
                   for s, r, d in layout.pending}
     return table, st
@@ -64,7 +64,7 @@ def _probe(layout, bt: int, device, live: LiveBytes, probe_blocks: int) -> dict:
     """Live bytes of one block (a pool of `probe_blocks`, divided) and of one sequence's fixed
     state, with the layout's prediction of each."""
     from cedlm.cache.block_pool import BlockPool
-    pool, pool_bytes = _measure(live, lambda: on_device(device, BlockPool, layout, probe_blocks, bt))
+    pool, pool_bytes = _measure(live, lambda: BlockPool(layout, probe_blocks, bt, device=device))
     tensors_on([pool.data], device, "BlockPool")
     (_, st), fixed = _measure(live, lambda: _new_state(layout, pool, device))
     tensors_on([st], device, "SequenceState")
@@ -84,7 +84,7 @@ def _allocate(layout, bt: int, device, live: LiveBytes, budget: int, S: int, blo
     t0 = time.perf_counter()
     base = live.read()
     n_blocks = blocks_for_budget(layout, budget - S * fixed_extra, S, bt)
-    pool = on_device(device, BlockPool, layout, n_blocks, bt)
+    pool = BlockPool(layout, n_blocks, bt, device=device)
     seqs, fitted = [], True
     try:
         for _ in range(S):

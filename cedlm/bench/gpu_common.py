@@ -3,14 +3,12 @@
 Every figure takes a `torch.device` and runs on the CPU as well (tiny sizes, for the tests), so
 what differs between devices is kept here: waiting for the device (`sync`), counting live bytes
 (`LiveBytes`: the CUDA caching allocator's `memory_allocated`, or the sum of the tensors' storages
-where the device has no allocator statistics), allocating through the engine's own constructors on
-a device (`on_device`), describing the device (`device_info`) and a wall-clock cap on one piece of
-work (`time_cap`, SIGALRM: a slow loop is interrupted between two torch calls).
+where the device has no allocator statistics), describing the device (`device_info`) and a
+wall-clock cap on one piece of work (`time_cap`, SIGALRM: a slow loop is interrupted between two torch calls).
 """
 from __future__ import annotations
 
 import contextlib
-import inspect
 import signal
 import time
 
@@ -21,21 +19,6 @@ def sync(device: torch.device) -> None:
     """Wait until the device has finished the work queued on it (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def on_device(device: torch.device, make, *args, **kwargs):
-    """`make(*args, **kwargs)` with its tensors on `device`: `device=` is passed when the
-    constructor takes it (BlockPool, SequenceState), else the call runs under `torch.device(device)`
-    (the default device of factory calls that name none). The caller checks where they landed
-    (`tensors_on`)."""
-    try:
-        takes = "device" in inspect.signature(make).parameters
-    except (TypeError, ValueError):
-        takes = False
-    if takes:
-        return make(*args, device=device, **kwargs)
-    with torch.device(device):
-        return make(*args, **kwargs)
 
 
 def tensors_of(obj, _depth: int = 0) -> list[torch.Tensor]:

@@ -26,7 +26,7 @@ import time
 import torch
 
 from cedlm.bench.common import GIB, ced_decode_fn, md_table
-from cedlm.bench.gpu_common import Clock, on_device, sync, time_cap
+from cedlm.bench.gpu_common import Clock, sync, time_cap
 
 NAME = "decode"
 BATCHES = (1, 8, 64)
@@ -45,7 +45,7 @@ def device_states(model, context: int, batch: int, device, seed: int = 0, margin
     cfg, layout = model.cfg, model.kv_layout
     bt = layout.round_block_tokens(BLOCK_TOKENS)
     blocks = -(-(context + margin) // bt)
-    pool = on_device(device, BlockPool, layout, batch * blocks, bt)
+    pool = BlockPool(layout, batch * blocks, bt, device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     host = torch.Generator().manual_seed(seed)
     base = {}
@@ -60,7 +60,7 @@ def device_states(model, context: int, batch: int, device, seed: int = 0, margin
     states = []
     for _ in range(batch):
         table = BlockTable(pool)
-        st = on_device(device, SequenceState, layout, pool.rows(table))
+        st = SequenceState(layout, pool.rows(table), device=device)
         table.ensure(-(-context // bt))
         ids = torch.tensor(table.blocks, dtype=torch.int64, device=device)
         for spec in layout.rows:
