@@ -71,25 +71,32 @@ def use_inductor_cache() -> Path:
     return d
 
 
-def _cross_entropy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of the model's logits on x against targets y [B, S]."""
-    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+def _cross_entropy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy of the model's logits on x against targets y [B, S]; with a
+    bool mask [B, S], the mean over the targets where it is True."""
+    if mask is None:
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    ce = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none")
+    m = mask.flatten().to(ce.dtype)
+    return (ce * m).sum() / m.sum().clamp_min(1)
 
 
 def training_loss(model: torch.nn.Module, compile: bool, backend: str = "inductor"
-                  ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`loss_fn(x, y)`: the model's training forward and its mean cross-entropy, compiled or
+                  ) -> Callable[..., torch.Tensor]:
+    """`loss_fn(x, y[, mask])`: the model's training forward and its mean cross-entropy (over the
+    mask's targets when one is given), compiled or
     eager. Compiling happens in the first call of each input shape (the forward) and its first
     backward (AOTAutograd compiles the backward then): time the first step to see it. `backend`
     is torch.compile's ("aot_eager": the same traced graphs run by eager kernels, no code
     generated; what the quick test checks)."""
     if not compile:
-        return lambda x, y: _cross_entropy(model, x, y)
+        return lambda x, y, mask=None: _cross_entropy(model, x, y, mask)
     use_inductor_cache()
     # One graph per layer kind and pass; the default limit (8) is below a 12-layer model's.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     fn = torch.compile(_cross_entropy, dynamic=False, backend=backend)
-    return lambda x, y: fn(model, x, y)
+    return lambda x, y, mask=None: fn(model, x, y, mask)
 
 
 def drop_unrouted(model: torch.nn.Module) -> None:

@@ -50,6 +50,7 @@ from cedlm.text.tokenizer import load_tokenizer
 from cedlm.train import checkpoint as train_state
 from cedlm.train.compile import compile_default, compile_flag, drop_unrouted, training_loss
 from cedlm.train.data import BatchSampler, val_batches
+from cedlm.train.joint import JointData, SettingsError, joint_loss, load_mixture
 from cedlm.train.optim import (clip_and_step, cosine_lr, param_groups, set_lr, sync_gradients,
                                update_moe_bias)
 from cedlm.train.plot import plot_metrics
@@ -62,6 +63,7 @@ DEFAULTS = dict(
     weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, eval_every=100, eval_batches=8,
     save_every=500, seed=1337, bias_update_rate=1e-3, threads=None, max_minutes=None,
     stop_at_step=None, device=None, progress=True, compile=None,   # None: compile_default(); device auto
+    mixture=None, chat_examples=3000, indexer_kl_weight=0.0, dense_steps=0,
 )
 # Settings of this invocation only: not saved, not restored on resume.
 RUN_ONLY = ("resume", "out", "threads", "max_minutes", "stop_at_step", "device", "progress", "func",
@@ -103,6 +105,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--compile", type=compile_flag, metavar="on|off",
       help="torch.compile the training forward + backward (default off, or $CEDLM_TRAIN_COMPILE; "
            "the first step compiles, its time is logged; artefacts cached in ~/.cache/cedlm/inductor)")
+    a("--mixture", help="joint pretraining: a MixtureConfig JSON file (row weights of corpus / chat / "
+                        "retrieval / repeat, the (step, seq_len) curriculum; cedlm/train/joint.py); "
+                        "--batch-size is then the rows at the first stage, tokens per step kept after")
+    a("--chat-examples", type=int, help="conversations built for the mixture's chat rows (default 3000)")
+    a("--indexer-kl-weight", type=float,
+      help="weight of the lightning indexer's distillation KL in the loss (default 0: not trained)")
+    a("--dense-steps", type=int,
+      help="steps of dense selection first (every visible entry; the indexer warm-up), then sparse "
+           "(default 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,6 +207,7 @@ class TrainRun:
     budget: TimeBudget = field(default_factory=TimeBudget)   # --max-minutes of this process
     loss_fn: object = None                # (x, y) -> mean cross-entropy: compiled or eager
     first_step_s: float | None = None     # wall time of this process's first step
+    joint: JointData | None = None        # --mixture: the joint pretraining batches
     elapsed0: float = 0.0                 # wall time of the run before this process (resume)
 
     @property
@@ -268,9 +280,15 @@ def setup(given: argparse.Namespace) -> TrainRun:
         train_tok = token_cache(data / "train.txt", tokenizer, a.cache_dir, build=False)
         val_tok = token_cache(data / "val.txt", tokenizer, a.cache_dir, build=False)
     sampler = BatchSampler(train_tok, a.seq_len, a.batch_size, a.seed, rank, world)
+    check_joint(a, model)
+    try:
+        joint = (JointData(a.mixture, train_tok, tokenizer, model.cfg.sliding_window, a.data, a.batch_size,
+                           a.chat_examples, a.seed, world) if a.mixture else None)
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
 
     run = TrainRun(a, rank, world, device, model, tokenizer, opt, sampler, val_tok, Path(a.out),
-                   budget=TimeBudget(a.max_minutes), loss_fn=training_loss(model, a.compile))
+                   budget=TimeBudget(a.max_minutes), loss_fn=training_loss(model, a.compile), joint=joint)
     if saved_state:
         opt.load_state_dict(saved_state["optimizer"])
         sampler.load_state_dict(saved_state["sampler"])
@@ -288,7 +306,32 @@ def setup(given: argparse.Namespace) -> TrainRun:
               f"{len(train_tok):,} train tokens, {world} rank(s), "
               f"{torch.get_num_threads()} threads/rank, step {run.step}/{a.steps}, "
               f"device {describe_device(device)}", file=sys.stderr)
+        if joint:
+            for st in joint.source.plan():
+                w = " ".join(f"{k} {v:.2f}" for k, v in st["weights"].items())
+                print(f"cedlm train: mixture from step {st['step']}: seq_len {st['seq_len']}, "
+                      f"{joint.rows(st['step'])} rows; {w}", file=sys.stderr)
     return run
+
+
+def check_joint(a: argparse.Namespace, model) -> None:
+    """The joint-pretraining settings against each other and the model (`SettingsError` naming
+    the field)."""
+    if a.mixture is not None:
+        try:
+            a.mixture = load_mixture(a.mixture)
+        except ValueError as e:
+            raise SettingsError(str(e)) from None
+    if not isinstance(a.indexer_kl_weight, (int, float)) or a.indexer_kl_weight < 0:
+        raise SettingsError(f"indexer_kl_weight: must be >= 0, got {a.indexer_kl_weight!r}")
+    if not isinstance(a.dense_steps, int) or a.dense_steps < 0:
+        raise SettingsError(f"dense_steps: must be an int >= 0, got {a.dense_steps!r}")
+    probe = a.indexer_kl_weight > 0 or a.dense_steps > 0
+    if probe and (model.cfg.arch != "ced" or not model.cfg.index_source_layer_ids):
+        raise SettingsError("indexer_kl_weight: the model has no lightning indexer (index_source_layer_ids)")
+    if probe and a.compile:
+        raise SettingsError("compile: the indexer probe (--indexer-kl-weight, --dense-steps) runs eager; "
+                         "use --compile off")
 
 
 def optimisation_step(run: TrainRun) -> dict:
@@ -297,9 +340,19 @@ def optimisation_step(run: TrainRun) -> dict:
     t0 = time.time()
     lr = lr_at(run.step, a)
     set_lr(opt, lr)
-    x, y = run.sampler.next_batch()
-    x, y = x.to(run.device), y.to(run.device)
-    loss = run.loss_fn(x, y)
+    extra: dict = {}
+    if run.joint:
+        b = run.joint.batch(run.step, run.rank)
+        x, y, mask = (t.to(run.device) for t in b.inputs_targets())
+        dense = run.step < a.dense_steps
+        loss, extra = joint_loss(model, x, y, mask, b.answer_mask[:, 1:].to(run.device), b.kinds,
+                                 a.indexer_kl_weight, dense, run.loss_fn)
+        extra.update(seq_len=b.seq_len, rows=len(b.kinds) * run.world,
+                     phase="dense" if dense else "sparse", **{f"rows_{k}": v for k, v in b.mix.items()})
+    else:
+        x, y = run.sampler.next_batch()
+        x, y = x.to(run.device), y.to(run.device)
+        loss = run.loss_fn(x, y)
     loss.backward()
     drop_unrouted(model)                  # as eager: no gradient for an expert no token chose
     if run.world > 1:
@@ -313,10 +366,10 @@ def optimisation_step(run: TrainRun) -> dict:
         run.first_step_s = dt
         if a.compile and run.master:
             print(f"cedlm train: first step (compiling the training step) {dt:.1f} s", file=sys.stderr)
-    tokens_per_step = a.batch_size * a.seq_len
+    tokens_per_step = x.numel() * run.world
+    tokens = run.joint.tokens_through(run.step) if run.joint else run.step * tokens_per_step
     return {"step": run.step, "loss": loss_v, "lr": lr, "grad_norm": grad_norm,
-            "tokens": run.step * tokens_per_step, "tokens_per_s": tokens_per_step / dt,
-            "elapsed": run.elapsed()}
+            "tokens": tokens, "tokens_per_s": tokens_per_step / dt, "elapsed": run.elapsed(), **extra}
 
 
 def out_of_time(run: TrainRun) -> bool:
@@ -393,7 +446,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"cedlm train pretrain: error: {e}", file=sys.stderr)
         return 2
-    train(args)
+    try:
+        train(args)
+    except SettingsError as e:
+        print(f"cedlm train pretrain: error: {e}", file=sys.stderr)
+        return 2
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
