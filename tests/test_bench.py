@@ -160,6 +160,8 @@ def test_quick_smoke(tmp_path, capsys):
         if name == "dspark":                 # the shipped drafter (cedlm/assets/model/mtp.safetensors)
             assert not res.get("skipped"), res.get("skipped")
             assert res["rows"], res
+        if name == "step_ops":               # compiled for real, not fallen back to the static step
+            assert res["config"]["decode_step"] == "compiled" and res["compile_s"], res["config"]
     assert (out / "BENCHMARKS.md").exists()
     assert "results:" in capsys.readouterr().out
 

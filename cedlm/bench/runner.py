@@ -7,7 +7,6 @@ but recorded as skipped with that reason (`skip_reason`), in its JSON, the print
 BENCHMARKS.md."""
 from __future__ import annotations
 
-import contextlib
 import time
 import traceback
 from pathlib import Path
@@ -64,9 +63,10 @@ def run_figures(names: list[str], ctx: Ctx, md_path: Path | None) -> list[dict]:
                        "target": {"metric": "", "op": "==", "value": True, "measured": None,
                                   "met": None, "note": why}}
             else:
-                # a CPU-only figure's tensors are host tensors by nature: the CPU is its device
-                host = torch.device("cpu") if getattr(mod, "CPU_ONLY", None) else contextlib.nullcontext()
-                with torch.no_grad(), host:
+                # (no `with torch.device(...)` around a figure: its device mode would stay active
+                # inside torch.compile, which cannot trace under it, and the compiled decode step
+                # would fall back to the static one; a CPU-only figure runs only on the CPU)
+                with torch.no_grad():
                     res = mod.run(ctx)
         except Exception as e:                      # record the failure, go on with the rest
             traceback.print_exc()
