@@ -152,6 +152,9 @@ def test_joint_run_curriculum_phases_and_exact_resume(corpus, mix_file, tmp_path
     assert all("kl" in r and "lm_loss" in r for r in recs)
     assert sum(r["rows_chat"] + r["rows_retrieval"] + r["rows_repeat"] for r in recs) > 0
     assert "val_ppl" in recs[-1]
+    # held-out retrieval at the stage's length where an item fits (160 here, not 64)
+    assert "val_retrieval_acc" not in recs[1] and recs[-1]["val_retrieval_len"] == 160
+    assert 0 <= recs[-1]["val_retrieval_exact"] <= 1 and 0 <= recs[-1]["val_retrieval_acc"] <= 1
 
     half = train(run_args(corpus, mix_file, tmp_path / "b", "--steps", "4", "--indexer-kl-weight", "1",
                           "--dense-steps", "1", "--stop-at-step", "2"))
@@ -166,10 +169,47 @@ def test_joint_run_curriculum_phases_and_exact_resume(corpus, mix_file, tmp_path
     assert saved["mixture"] == load_mixture(MIX) and saved["dense_steps"] == 1
 
 
+class _Copier(torch.nn.Module):
+    """An oracle that retrieves: at each position it predicts the token that followed the longest
+    earlier match of the text so far (what a perfect induction head does)."""
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, x):
+        seq = x[0].tolist()
+        out = torch.zeros(1, len(seq), self.vocab)
+        for j in range(len(seq)):
+            for m in range(min(16, j + 1), 0, -1):
+                hit = [i for i in range(m - 1, j) if seq[i - m + 1: i + 1] == seq[j - m + 1: j + 1]]
+                if hit:
+                    out[0, j, seq[hit[-1] + 1]] = 1.0
+                    break
+        return out
+
+
+def test_retrieval_eval_scores_an_oracle_and_a_constant(corpus, tok):
+    from cedlm.data.tokens import token_cache
+    from cedlm.train.joint import retrieval_eval
+    toks = token_cache(corpus / "train.txt", tok)
+    val = token_cache(corpus / "val.txt", tok)
+    j = JointData({**MIX, "weights": {"corpus": 0.5, "retrieval": 0.5}}, toks, tok, 8, corpus,
+                  batch_size=4, chat_examples=0, seed=0)
+    good = retrieval_eval(_Copier(tok.vocab_size), j, val, 160, 6, "cpu")
+    assert good == retrieval_eval(_Copier(tok.vocab_size), j, val, 160, 6, "cpu")     # fixed rows
+    assert good["val_retrieval_acc"] == 1.0 and good["val_retrieval_exact"] == 1.0, good
+    const = torch.nn.Module()
+    const.forward = lambda x: torch.zeros(*x.shape, tok.vocab_size)
+    bad = retrieval_eval(const, j, val, 160, 6, "cpu")
+    assert bad["val_retrieval_exact"] == 0.0 and bad["val_retrieval_acc"] < 0.2, bad
+    assert retrieval_eval(const, j, val, 64, 6, "cpu") == {}                 # no item fits at 64
+
+
 @pytest.mark.parametrize("extra, field", [
     (["--mixture", "/nonexistent/mix.json"], "mixture"),
     (["--indexer-kl-weight", "-1"], "indexer_kl_weight"),
     (["--dense-steps", "-2"], "dense_steps"),
+    (["--eval-retrieval", "-1"], "eval_retrieval"),
     (["--indexer-kl-weight", "1", "--compile", "on"], "compile"),
     (["--indexer-kl-weight", "1", "--arch", "decoder_only"], "indexer_kl_weight"),
 ])

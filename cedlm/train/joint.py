@@ -35,6 +35,7 @@ pretraining.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -158,3 +159,30 @@ def joint_loss(model, x, y, mask, answer, kinds, kl_weight: float, dense: bool, 
     logits = model(x)
     lm, ce = masked_ce(logits, y, mask)
     return lm, {"lm_loss": lm.item(), **batch_metrics(ce, logits, y, mask, answer, kinds)}
+
+
+@torch.no_grad()
+def retrieval_eval(model, joint: JointData, val_tokens, seq_len: int, n: int, device) -> dict:
+    """Held-out retrieval at `seq_len`: `n` fixed rows of the mixture's retrieval kind built on
+    the validation tokens (one passkey or key-value item, its query at least `min_gap` tokens
+    after its record), run as the model serves (eval mode: sparse selection). -> {"val_retrieval_acc":
+    answer tokens predicted right (greedy, teacher-forced), "val_retrieval_exact": rows whose every
+    answer token is right, "val_retrieval_len"}; {} when an item does not fit at this length."""
+    src = joint.source
+    if n < 1 or not src.retrieval_fits(seq_len) or len(val_tokens) < seq_len + 2:
+        return {}
+    held = MixtureBatches(replace(src.cfg, weights={"retrieval": 1.0}, curriculum=((0, seq_len),)),
+                          val_tokens, src.tok, src.window)
+    was = model.training
+    model.eval()
+    right = total = exact = 0
+    for i in range(n):
+        # generators of their own (a step no run reaches): the same rows at every validation
+        ids, _, ans = held.retrieval_row(held._rng(2**31, i), seq_len + 1)
+        t = torch.from_numpy(ids)[None].to(device)
+        a = torch.from_numpy(ans[1:])[None].to(device)
+        ok = (model(t[:, :-1]).argmax(-1) == t[:, 1:])[a]
+        right, total, exact = right + int(ok.sum()), total + ok.numel(), exact + int(ok.all())
+    model.train(was)
+    return {"val_retrieval_acc": right / max(total, 1), "val_retrieval_exact": exact / n,
+            "val_retrieval_len": seq_len}

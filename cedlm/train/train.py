@@ -50,7 +50,7 @@ from cedlm.text.tokenizer import load_tokenizer
 from cedlm.train import checkpoint as train_state
 from cedlm.train.compile import compile_default, compile_flag, drop_unrouted, training_loss
 from cedlm.train.data import BatchSampler, val_batches
-from cedlm.train.joint import JointData, SettingsError, joint_loss, load_mixture
+from cedlm.train.joint import JointData, SettingsError, joint_loss, load_mixture, retrieval_eval
 from cedlm.train.optim import (clip_and_step, cosine_lr, param_groups, set_lr, sync_gradients,
                                update_moe_bias)
 from cedlm.train.plot import plot_metrics
@@ -63,7 +63,7 @@ DEFAULTS = dict(
     weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, eval_every=100, eval_batches=8,
     save_every=500, seed=1337, bias_update_rate=1e-3, threads=None, max_minutes=None,
     stop_at_step=None, device=None, progress=True, compile=None,   # None: compile_default(); device auto
-    mixture=None, chat_examples=3000, indexer_kl_weight=0.0, dense_steps=0,
+    mixture=None, chat_examples=3000, indexer_kl_weight=0.0, dense_steps=0, eval_retrieval=16,
 )
 # Settings of this invocation only: not saved, not restored on resume.
 RUN_ONLY = ("resume", "out", "threads", "max_minutes", "stop_at_step", "device", "progress", "func",
@@ -111,6 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--chat-examples", type=int, help="conversations built for the mixture's chat rows (default 3000)")
     a("--indexer-kl-weight", type=float,
       help="weight of the lightning indexer's distillation KL in the loss (default 0: not trained)")
+    a("--eval-retrieval", type=int,
+      help="with --mixture: held-out retrieval rows checked at each validation, at the stage's "
+           "length (default 16; 0: none)")
     a("--dense-steps", type=int,
       help="steps of dense selection first (every visible entry; the indexer warm-up), then sparse "
            "(default 0)")
@@ -324,6 +327,8 @@ def check_joint(a: argparse.Namespace, model) -> None:
             raise SettingsError(str(e)) from None
     if not isinstance(a.indexer_kl_weight, (int, float)) or a.indexer_kl_weight < 0:
         raise SettingsError(f"indexer_kl_weight: must be >= 0, got {a.indexer_kl_weight!r}")
+    if not isinstance(a.eval_retrieval, int) or a.eval_retrieval < 0:
+        raise SettingsError(f"eval_retrieval: must be an int >= 0, got {a.eval_retrieval!r}")
     if not isinstance(a.dense_steps, int) or a.dense_steps < 0:
         raise SettingsError(f"dense_steps: must be an int >= 0, got {a.dense_steps!r}")
     probe = a.indexer_kl_weight > 0 or a.dense_steps > 0
@@ -386,6 +391,9 @@ def validate(run: TrainRun, rec: dict) -> None:
     """Validation loss and perplexity, added to the step's record."""
     val = evaluate(run.model, run.val_tok, run.a, run.rank, run.world, run.device)
     rec.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
+    if run.joint and run.master:          # held-out retrieval at the stage's length (rank 0)
+        rec.update(retrieval_eval(run.model, run.joint, run.val_tok, run.joint.seq_len(max(run.step - 1, 0)),
+                                  run.a.eval_retrieval, run.device))
 
 
 def report(run: TrainRun, rec: dict, bar) -> None:
@@ -395,6 +403,9 @@ def report(run: TrainRun, rec: dict, bar) -> None:
     plot_metrics(run.metrics, run.out / "loss.png")
     msg = (f"step {rec['step']}: loss {rec['loss']:.4f} val_loss {rec['val_loss']:.4f} "
            f"val_ppl {rec['val_ppl']:.2f} lr {rec['lr']:.2e} {rec['tokens_per_s']:.0f} tok/s")
+    if "val_retrieval_acc" in rec:
+        msg += (f" retrieval@{rec['val_retrieval_len']} {rec['val_retrieval_acc']:.2f} "
+                f"(exact {rec['val_retrieval_exact']:.2f})")
     (bar.write(msg) if bar else print(msg, file=sys.stderr))
 
 
