@@ -7,6 +7,7 @@ but recorded as skipped with that reason (`skip_reason`), in its JSON, the print
 BENCHMARKS.md."""
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 from pathlib import Path
@@ -63,10 +64,13 @@ def run_figures(names: list[str], ctx: Ctx, md_path: Path | None) -> list[dict]:
                        "target": {"metric": "", "op": "==", "value": True, "measured": None,
                                   "met": None, "note": why}}
             else:
-                # (no `with torch.device(...)` around a figure: its device mode would stay active
-                # inside torch.compile, which cannot trace under it, and the compiled decode step
-                # would fall back to the static one; a CPU-only figure runs only on the CPU)
-                with torch.no_grad():
+                # A CPU-only figure's tensors are host tensors by nature: under a default device
+                # other than the CPU (the tests' implicit-device guard) the figure runs in
+                # `with torch.device("cpu")`. Only then: torch.compile cannot trace under that
+                # device mode, so the compiled decode step would fall back to the static one.
+                host = (torch.device("cpu") if getattr(mod, "CPU_ONLY", None)
+                        and torch.get_default_device().type != "cpu" else contextlib.nullcontext())
+                with torch.no_grad(), host:
                     res = mod.run(ctx)
         except Exception as e:                      # record the failure, go on with the rest
             traceback.print_exc()
