@@ -178,7 +178,7 @@ def retrieval_eval(model, joint: JointData, val_tokens, seq_len: int, n: int, de
     right = total = exact = 0
     for i in range(n):
         # generators of their own (a step no run reaches): the same rows at every validation
-        ids, _, ans = held.retrieval_row(held._rng(2**31, i), seq_len + 1)
+        ids, _, ans = held.retrieval_row(held.rng_for(2**31, i), seq_len + 1)
         t = torch.from_numpy(ids)[None].to(device)
         a = torch.from_numpy(ans[1:])[None].to(device)
         ok = (model(t[:, :-1]).argmax(-1) == t[:, 1:])[a]

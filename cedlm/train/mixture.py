@@ -216,7 +216,9 @@ class MixtureBatches:
         """Per curriculum stage: its start step, seq_len and row shares (for the run's log)."""
         return [{"step": s, "seq_len": n, "weights": self.stage_weights(n)} for s, n in self.cfg.curriculum]
 
-    def _rng(self, step: int, row: int | None = None) -> np.random.Generator:
+    def rng_for(self, step: int, row: int | None = None) -> np.random.Generator:
+        """The generator of the row kinds at `step` (row None) or of one row, seeded by
+        (seed, step[, row]): the same draws in every run and on every rank."""
         key = (step,) if row is None else (step, row)
         return np.random.Generator(np.random.PCG64(np.random.SeedSequence(self.cfg.seed, spawn_key=key)))
 
@@ -225,7 +227,7 @@ class MixtureBatches:
         ceiling of its expected count (systematic sampling, the right mean), in a random order."""
         if batch_size < 1:
             raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-        rng = self._rng(step)
+        rng = self.rng_for(step)
         w = self.stage_weights(curriculum_seq_len(self.cfg, step))
         u = float(rng.random())
         kinds, cum = [], 0.0
@@ -267,7 +269,7 @@ class MixtureBatches:
         """(ids, loss mask, answer mask) of row `index` of the batch at `step`, each [seq_len + 1]."""
         builder = {"corpus": self.corpus_row, "chat": self.chat_row,
                    "retrieval": self.retrieval_row, "repeat": self.repeat_row}[kind]
-        ids, loss, ans = builder(self._rng(step, index), seq_len + 1)
+        ids, loss, ans = builder(self.rng_for(step, index), seq_len + 1)
         loss = loss.copy()
         loss[0] = False                  # the first token is never a target
         return ids, loss, ans
