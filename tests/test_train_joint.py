@@ -15,7 +15,7 @@ from cedlm.model.model import CEDModel
 from cedlm.model.probe import IndexerProbe, distill_kl
 from cedlm.train.chat import masked_loss
 from cedlm.train.compile import training_loss
-from cedlm.train.joint import JointData, joint_loss, load_mixture, masked_ce, rows_at
+from cedlm.train.joint import JointData, joint_loss, load_mixture, loss_weights, masked_ce, rows_at
 from cedlm.train.mixture import MixtureConfig
 from cedlm.train.train import build_parser, main, train
 from test_chat_stage import make_corpus
@@ -169,6 +169,65 @@ def test_joint_run_curriculum_phases_and_exact_resume(corpus, mix_file, tmp_path
     assert saved["mixture"] == load_mixture(MIX) and saved["dense_steps"] == 1
 
 
+def test_answer_weight_is_the_weighted_mean(tok):
+    """answer_weight w: the LM loss is sum(ce * weight) / sum(weight), weight 1 on a target and w
+    on an answer target (eager = compiled); w = 1 is the plain masked mean, bit for bit."""
+    torch.manual_seed(1)
+    model = tiny_model(tok).train()
+    x = torch.randint(5, tok.vocab_size, (2, 12))
+    y = torch.randint(5, tok.vocab_size, (2, 12))
+    mask = torch.rand(2, 12) > 0.3
+    answer = (torch.rand(2, 12) > 0.6) & mask
+    answer[0, 3] = mask[0, 3] = True
+    assert loss_weights(mask, answer, 1.0) is mask
+    w = loss_weights(mask, answer, 5.0)
+    assert w.dtype == torch.float32 and w[0, 3] == 5 and (w[~mask] == 0).all()
+    assert ((w == 1) == (mask & ~answer)).all()
+    with torch.no_grad():
+        ce = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+        want = (ce * w).sum() / w.sum()
+        plain, _ = joint_loss(model, x, y, mask, answer, ["corpus", "retrieval"], 0.0, False)
+        weighted, _ = joint_loss(model, x, y, mask, answer, ["corpus", "retrieval"], 0.0, False,
+                                 answer_weight=5.0)
+        compiled, _ = joint_loss(model, x, y, mask, answer, ["corpus", "retrieval"], 0.0, False,
+                                 training_loss(model, False), answer_weight=5.0)
+    torch.testing.assert_close(weighted, want)
+    torch.testing.assert_close(compiled, want)
+    assert torch.equal(plain, masked_ce(model(x), y, mask)[0])
+    assert not torch.allclose(plain, weighted)
+
+
+def test_init_from_starts_a_new_run_from_weights(corpus, mix_file, tmp_path, capsys):
+    """--init-from: step 0, fresh schedule, the checkpoint's weights (in --config's model when
+    given: here the same shapes with float32 RoPE); a shape mismatch is a one-line error."""
+    first = train(run_args(corpus, mix_file, tmp_path / "a", "--steps", "2"))
+    ck = tmp_path / "a" / "checkpoint"
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg.get("cedlm", {}).pop("rope_precision", None)
+    (tmp_path / "f32.json").write_text(json.dumps(cfg))
+    a = run_args(corpus, mix_file, tmp_path / "b", "--steps", "1", "--init-from", ck,
+                 "--config", tmp_path / "f32.json")
+    from cedlm.train.train import setup
+    run = setup(a)
+    assert run.step == 0 and run.model.cfg.rope_precision == "float32"
+    for k, v in first["model"].state_dict().items():
+        if k in run.model.state_dict() and "rope" not in k and "cos" not in k and "sin" not in k:
+            assert torch.equal(v, run.model.state_dict()[k]), k
+    assert not run.opt.state                                  # a fresh optimizer
+    second = train(a)
+    assert second["step"] == 1
+    saved = json.loads((tmp_path / "b" / "checkpoint" / "training_args.json").read_text())
+    assert saved["init_from"] == str(ck)
+    cfg["text_config"]["hidden_size"] = 2 * cfg["text_config"]["hidden_size"]
+    (tmp_path / "wide.json").write_text(json.dumps(cfg))
+    argv = ["--preset", "tiny", "--data", str(corpus), "--out", str(tmp_path / "c"), "--steps", "1",
+            "--seq-len", "16", "--batch-size", "2", "--threads", "1", "--no-progress",
+            "--init-from", str(ck), "--config", str(tmp_path / "wide.json")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "cedlm train pretrain: error: init_from: parameter")
+
+
 class _Copier(torch.nn.Module):
     """An oracle that retrieves: at each position it predicts the token that followed the longest
     earlier match of the text so far (what a perfect induction head does)."""
@@ -212,6 +271,7 @@ def test_retrieval_eval_scores_an_oracle_and_a_constant(corpus, tok):
     (["--eval-retrieval", "-1"], "eval_retrieval"),
     (["--indexer-kl-weight", "1", "--compile", "on"], "compile"),
     (["--indexer-kl-weight", "1", "--arch", "decoder_only"], "indexer_kl_weight"),
+    (["--init-from", "/nonexistent/run"], "init_from"),
 ])
 def test_cli_errors_are_one_line(corpus, tmp_path, capsys, extra, field):
     argv = ["--preset", "tiny", "--data", str(corpus), "--out", str(tmp_path / "r"), "--steps", "1",

@@ -69,6 +69,9 @@ def test_curriculum_stages():
     ({"curriculum": ((0, 256.0),)}, r"curriculum\[0\]"),
     ({"min_gap_windows": 0}, "min_gap_windows"),
     ({"retrieval_loss": "some"}, "retrieval_loss"),
+    ({"answer_weight": 0}, "answer_weight"),
+    ({"answer_weight": float("inf")}, "answer_weight"),
+    ({"answer_weight": True}, "answer_weight"),
     ({"seed": -1}, "seed"),
 ])
 def test_config_errors_name_the_field(kw, field):

@@ -74,7 +74,7 @@ def use_inductor_cache() -> Path:
 def _cross_entropy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                    mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy of the model's logits on x against targets y [B, S]; with a
-    bool mask [B, S], the mean over the targets where it is True."""
+    bool mask [B, S], the mean over the targets where it is True (a float mask: the weighted mean)."""
     if mask is None:
         return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     ce = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none")

@@ -111,8 +111,17 @@ class JointData:
         return self.source.batch(step, self.rows(step), rank, self.world)
 
 
+def loss_weights(mask: torch.Tensor, answer: torch.Tensor, answer_weight: float) -> torch.Tensor:
+    """The per-token loss weights [B, S] (float): 1 on a target, `answer_weight` on a target that
+    is an answer token, 0 elsewhere; the bool mask itself when the weight is 1 (the plain mean)."""
+    if answer_weight == 1:
+        return mask
+    return mask.float() * torch.where(answer, answer_weight, 1.0)
+
+
 def masked_ce(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean cross-entropy over the targets where mask, the per-token cross-entropy [B, S])."""
+    """(mean cross-entropy over the targets where mask, the per-token cross-entropy [B, S]); a float
+    mask weighs each token (the weighted mean)."""
     ce = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none").view_as(y)
     m = mask.to(ce.dtype)
     return (ce * m).sum() / m.sum().clamp_min(1), ce
@@ -138,26 +147,28 @@ def batch_metrics(ce: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, mask:
     return rec
 
 
-def joint_loss(model, x, y, mask, answer, kinds, kl_weight: float, dense: bool, loss_fn=None
-               ) -> tuple[torch.Tensor, dict]:
+def joint_loss(model, x, y, mask, answer, kinds, kl_weight: float, dense: bool, loss_fn=None,
+               answer_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
     """The step's loss (not yet backpropagated) and its metrics. With kl_weight > 0 the forward
     carries an `IndexerProbe` (dense: every visible entry selected; also without the KL);
     otherwise `loss_fn(x, y,
-    mask)` (the compiled or eager masked loss) when given."""
+    mask)` (the compiled or eager masked loss) when given. The LM loss is the mean over the
+    targets weighted by `loss_weights` (answer tokens x answer_weight)."""
+    weights = loss_weights(mask, answer, answer_weight)
     if kl_weight > 0 or dense:
         probe = IndexerProbe(dense=dense)
         logits = model(x, probe=probe)
-        lm, ce = masked_ce(logits, y, mask)
+        lm, ce = masked_ce(logits, y, weights)
         kl, per_layer = distill_kl(probe, sparse=not dense)
         rec = {"lm_loss": lm.item(), "kl": kl.item(), **{f"kl_{l}": v for l, v in per_layer.items()},
                **{f"recall_{l}": v for l, v in topk_recall(probe, model.cfg.index_topk).items()}}
         rec.update(batch_metrics(ce, logits, y, mask, answer, kinds))
         return lm + kl_weight * kl, rec
     if loss_fn is not None:
-        lm = loss_fn(x, y, mask)
+        lm = loss_fn(x, y, weights)
         return lm, {"lm_loss": lm.item()}
     logits = model(x)
-    lm, ce = masked_ce(logits, y, mask)
+    lm, ce = masked_ce(logits, y, weights)
     return lm, {"lm_loss": lm.item(), **batch_metrics(ce, logits, y, mask, answer, kinds)}
 
 

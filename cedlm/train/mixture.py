@@ -59,12 +59,16 @@ class MixtureConfig:
     min_gap_windows: a retrieval query comes at least this many sliding windows after its record.
     retrieval_loss: "all" (retrieval rows train on every token, the filler is corpus text) or
         "answer" (only on the answer tokens).
+    answer_weight: the loss weight of an answer token (retrieval answers, repeated tokens) against
+        1 for every other target; the loss is the weighted mean. Retrieval's signal is a handful of
+        tokens per row: > 1 strengthens it without more rows (the passkey experiment used 5).
     seed: with the step, it fixes every batch.
     """
     weights: dict = field(default_factory=_default_weights)
     curriculum: tuple = ((0, 256),)
     min_gap_windows: float = 2.0
     retrieval_loss: str = "all"
+    answer_weight: float = 1.0
     seed: int = 0
 
     def __post_init__(self):
@@ -102,6 +106,9 @@ class MixtureConfig:
             raise ValueError(f"min_gap_windows: must be a number > 0, got {m!r}")
         if self.retrieval_loss not in RETRIEVAL_LOSS:
             raise ValueError(f"retrieval_loss: {self.retrieval_loss!r} is not one of {RETRIEVAL_LOSS}")
+        w = self.answer_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+            raise ValueError(f"answer_weight: must be a finite number > 0, got {w!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed: must be an int >= 0, got {self.seed!r}")
 

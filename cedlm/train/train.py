@@ -64,6 +64,7 @@ DEFAULTS = dict(
     save_every=500, seed=1337, bias_update_rate=1e-3, threads=None, max_minutes=None,
     stop_at_step=None, device=None, progress=True, compile=None,   # None: compile_default(); device auto
     mixture=None, chat_examples=3000, indexer_kl_weight=0.0, dense_steps=0, eval_retrieval=16,
+    init_from=None,
 )
 # Settings of this invocation only: not saved, not restored on resume.
 RUN_ONLY = ("resume", "out", "threads", "max_minutes", "stop_at_step", "device", "progress", "func",
@@ -99,6 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--max-minutes", type=float, help="stop cleanly and checkpoint after this wall time")
     a("--stop-at-step", type=int, help="stop (and checkpoint) at this step, keeping the --steps schedule")
     a("--resume", help="checkpoint or run dir to continue from")
+    a("--init-from", help="start a new run (step 0, fresh optimizer and schedule) from this checkpoint's "
+                          "weights: a second stage with other settings; its config, or --config's "
+                          "when given (same shapes: e.g. another rope_precision)")
     a("--device", help="auto (default: CUDA when this torch build sees a GPU, else the CPU), cpu, "
                        "cuda or cuda:N; under torchrun on CUDA each rank takes cuda:LOCAL_RANK")
     a("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
@@ -252,6 +256,31 @@ def _build_model(a: argparse.Namespace, master: bool):
     return model, tokenizer
 
 
+def _init_from(a: argparse.Namespace, master: bool):
+    """--init-from: the checkpoint's model, or its weights in --config's model (same parameter
+    shapes), with the checkpoint's tokenizer. `SettingsError` naming the field otherwise."""
+    try:
+        src = ckpt_io.resolve_checkpoint(a.init_from)
+        model, tokenizer = ckpt_io.load_model(src)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise SettingsError(f"init_from: {a.init_from}: {e}") from None
+    if a.config:
+        cfg = ModelConfig.from_json(a.config)
+        fresh = build_model(cfg)
+        theirs = model.state_dict()
+        for k, v in fresh.state_dict().items():
+            if k not in theirs or theirs[k].shape != v.shape:
+                raise SettingsError(f"init_from: parameter {k} of --config's model "
+                                    f"{tuple(v.shape)} is not in the checkpoint or has another shape")
+        fresh.load_state_dict(theirs, strict=True)
+        ckpt_io.set_token_map(fresh, tokenizer)
+        model = fresh
+    if master:
+        print(f"cedlm train: weights from {src}" + (f", config {a.config}" if a.config else ""),
+              file=sys.stderr)
+    return model, tokenizer
+
+
 def setup(given: argparse.Namespace) -> TrainRun:
     """Settings, process group, model + tokenizer (fresh or resumed), optimizer, token data, the
     saved progress on resume, and the run directory with its metrics file."""
@@ -266,6 +295,8 @@ def setup(given: argparse.Namespace) -> TrainRun:
         if given.out is None:
             a.out = str(src.parent if src.name == ckpt_io.CHECKPOINT_NAME else src)
         model, tokenizer = ckpt_io.load_model(src)
+    elif a.init_from:
+        model, tokenizer = _init_from(a, master)
     else:
         model, tokenizer = _build_model(a, master)
     model.to(device).train()
@@ -351,7 +382,7 @@ def optimisation_step(run: TrainRun) -> dict:
         x, y, mask = (t.to(run.device) for t in b.inputs_targets())
         dense = run.step < a.dense_steps
         loss, extra = joint_loss(model, x, y, mask, b.answer_mask[:, 1:].to(run.device), b.kinds,
-                                 a.indexer_kl_weight, dense, run.loss_fn)
+                                 a.indexer_kl_weight, dense, run.loss_fn, run.joint.cfg.answer_weight)
         extra.update(seq_len=b.seq_len, rows=len(b.kinds) * run.world,
                      phase="dense" if dense else "sparse", **{f"rows_{k}": v for k, v in b.mix.items()})
     else:
