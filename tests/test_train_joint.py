@@ -207,6 +207,7 @@ def test_init_from_starts_a_new_run_from_weights(corpus, mix_file, tmp_path, cap
     (tmp_path / "f32.json").write_text(json.dumps(cfg))
     a = run_args(corpus, mix_file, tmp_path / "b", "--steps", "1", "--init-from", ck,
                  "--config", tmp_path / "f32.json")
+    a.preset = None                       # the checkpoint's model: --preset is refused with --init-from
     from cedlm.train.train import setup
     run = setup(a)
     assert run.step == 0 and run.model.cfg.rope_precision == "float32"
@@ -220,12 +221,15 @@ def test_init_from_starts_a_new_run_from_weights(corpus, mix_file, tmp_path, cap
     assert saved["init_from"] == str(ck)
     cfg["text_config"]["hidden_size"] = 2 * cfg["text_config"]["hidden_size"]
     (tmp_path / "wide.json").write_text(json.dumps(cfg))
-    argv = ["--preset", "tiny", "--data", str(corpus), "--out", str(tmp_path / "c"), "--steps", "1",
+    argv = ["--data", str(corpus), "--out", str(tmp_path / "c"), "--steps", "1",
             "--seq-len", "16", "--batch-size", "2", "--threads", "1", "--no-progress",
             "--init-from", str(ck), "--config", str(tmp_path / "wide.json")]
     assert main(argv) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         "cedlm train pretrain: error: init_from: parameter")
+    assert main(argv[:-2] + ["--preset", "tiny"]) == 2           # not silently ignored
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "cedlm train pretrain: error: preset: not used with --init-from")
 
 
 class _Copier(torch.nn.Module):

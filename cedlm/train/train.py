@@ -256,22 +256,27 @@ def _build_model(a: argparse.Namespace, master: bool):
     return model, tokenizer
 
 
-def _init_from(a: argparse.Namespace, master: bool):
+def _init_from(a: argparse.Namespace, given: argparse.Namespace, master: bool):
     """--init-from: the checkpoint's model, or its weights in --config's model (same parameter
-    shapes), with the checkpoint's tokenizer. `SettingsError` naming the field otherwise."""
+    shapes), with the checkpoint's tokenizer. `SettingsError` naming the field otherwise, also for
+    a --preset, --arch or --tokenizer given with it (they would be ignored)."""
     try:
         src = ckpt_io.resolve_checkpoint(a.init_from)
         model, tokenizer = ckpt_io.load_model(src)
     except (FileNotFoundError, ValueError, OSError) as e:
         raise SettingsError(f"init_from: {a.init_from}: {e}") from None
+    for f in ("preset", "arch", "tokenizer"):
+        if getattr(given, f, None) is not None:
+            raise SettingsError(f"{f}: not used with --init-from (the checkpoint's model and "
+                                "tokenizer; --config for a same-shaped config)")
     if a.config:
-        cfg = ModelConfig.from_json(a.config)
-        fresh = build_model(cfg)
-        theirs = model.state_dict()
-        for k, v in fresh.state_dict().items():
-            if k not in theirs or theirs[k].shape != v.shape:
-                raise SettingsError(f"init_from: parameter {k} of --config's model "
-                                    f"{tuple(v.shape)} is not in the checkpoint or has another shape")
+        fresh = build_model(ModelConfig.from_json(a.config))
+        mine, theirs = fresh.state_dict(), model.state_dict()
+        shape = lambda sd, k: tuple(sd[k].shape) if k in sd else "absent"
+        for k in sorted(mine.keys() | theirs.keys()):
+            if shape(mine, k) != shape(theirs, k):
+                raise SettingsError(f"init_from: parameter {k}: {shape(mine, k)} in --config's model, "
+                                    f"{shape(theirs, k)} in the checkpoint")
         fresh.load_state_dict(theirs, strict=True)
         ckpt_io.set_token_map(fresh, tokenizer)
         model = fresh
@@ -296,7 +301,7 @@ def setup(given: argparse.Namespace) -> TrainRun:
             a.out = str(src.parent if src.name == ckpt_io.CHECKPOINT_NAME else src)
         model, tokenizer = ckpt_io.load_model(src)
     elif a.init_from:
-        model, tokenizer = _init_from(a, master)
+        model, tokenizer = _init_from(a, given, master)
     else:
         model, tokenizer = _build_model(a, master)
     model.to(device).train()
