@@ -7,6 +7,7 @@ conversations are built by `build_examples` from README.md and docs/architecture
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -72,6 +73,10 @@ def test_curriculum_stages():
     ({"answer_weight": 0}, "answer_weight"),
     ({"answer_weight": float("inf")}, "answer_weight"),
     ({"answer_weight": True}, "answer_weight"),
+    ({"retrieval_kinds": ()}, "retrieval_kinds"),
+    ({"retrieval_kinds": "passkey"}, "retrieval_kinds"),
+    ({"retrieval_kinds": ("passkey", "needle")}, "retrieval_kinds"),
+    ({"retrieval_kinds": ("kv", "kv")}, "retrieval_kinds"),
     ({"seed": -1}, "seed"),
 ])
 def test_config_errors_name_the_field(kw, field):
@@ -82,6 +87,8 @@ def test_config_errors_name_the_field(kw, field):
 def test_config_round_trip():
     cfg = MixtureConfig(curriculum=((0, 64), (10, 128)), seed=7, weights={"corpus": 1.0, "chat": 0.5})
     assert MixtureConfig.from_dict(cfg.to_dict()) == cfg
+    cfg = MixtureConfig(retrieval_kinds=("passkey",))
+    assert MixtureConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     with pytest.raises(ValueError, match="mixture"):
         MixtureConfig.from_dict({"sead": 1})
 
@@ -190,6 +197,16 @@ def test_retrieval_rows(tokens, tok, examples):
     assert n >= 10
     only = make(tokens, tok, examples, weights={"retrieval": 1.0}, retrieval_loss="answer").batch(4, 2)
     assert torch.equal(only.loss_mask, only.answer_mask)
+
+
+@pytest.mark.parametrize("kinds, query", [(("passkey",), "What is the pass key?"),
+                                          (("kv",), "What is the value of key")])
+def test_retrieval_kinds(tokens, tok, examples, kinds, query):
+    m = make(tokens, tok, examples, weights={"retrieval": 1.0}, retrieval_kinds=kinds)
+    b = m.batch(5, 12)                                   # a 256-token stage
+    assert b.kinds == ["retrieval"] * 12
+    for i in range(12):
+        assert tok.decode(b.ids[i].tolist()).count(query) == 1
 
 
 def test_chat_rows(tokens, tok, examples):

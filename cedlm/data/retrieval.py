@@ -83,11 +83,17 @@ def eval_sample(rng: np.random.Generator, tokens: np.ndarray, tokenizer, length:
 
 
 def training_sequence(rng: np.random.Generator, tokens: np.ndarray, tokenizer, seq_len: int,
-                      n_items: int, min_gap: int) -> tuple[np.ndarray, np.ndarray]:
+                      n_items: int, min_gap: int, kinds: tuple = KINDS) -> tuple[np.ndarray, np.ndarray]:
     """seq_len + 1 tokens of corpus text carrying `n_items` retrieval items, each query at least
-    `min_gap` tokens after its record(s). At most one item is a passkey (every passkey query
-    would otherwise match every passkey record); the rest are key-value items. Returns (ids int64 [seq_len + 1], answer mask bool
+    `min_gap` tokens after its record(s); each item's kind is drawn from `kinds`. At most one item
+    is a passkey (every passkey query would otherwise match every passkey record); the rest are
+    key-value items. Returns (ids int64 [seq_len + 1], answer mask bool
     [seq_len + 1], True on answer tokens)."""
+    kinds = tuple(kinds)
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise ValueError(f"kinds: must be a non-empty subset of {KINDS}, got {kinds!r}")
+    if kinds == ("passkey",) and n_items > 1:
+        raise ValueError(f"n_items: {n_items} passkey items would make every query ambiguous (at most 1)")
     enc = lambda s: np.asarray(tokenizer.encode(s), dtype=np.int64)   # noqa: E731
     L = seq_len + 1
     events: list[tuple[int, np.ndarray, bool]] = []     # (position in filler, ids, is answer part)
@@ -95,7 +101,7 @@ def training_sequence(rng: np.random.Generator, tokens: np.ndarray, tokenizer, s
     items = []
     passkey_used = False        # one passkey per sequence: a second record would make the answer ambiguous
     for _ in range(n_items):
-        kind = "kv" if passkey_used else KINDS[int(rng.integers(0, len(KINDS)))]
+        kind = "kv" if passkey_used else kinds[int(rng.integers(0, len(kinds)))]
         passkey_used |= kind == "passkey"
         recs, query, answer = _item(rng, kind, n_kv=2)
         r = [enc(x) for x in recs]

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from cedlm.data.retrieval import KINDS as RETRIEVAL_KINDS
 from cedlm.data.retrieval import repeat_sequence, training_sequence
 
 KINDS = ("corpus", "chat", "retrieval", "repeat")
@@ -62,6 +63,8 @@ class MixtureConfig:
     answer_weight: the loss weight of an answer token (retrieval answers, repeated tokens) against
         1 for every other target; the loss is the weighted mean. Retrieval's signal is a handful of
         tokens per row: > 1 strengthens it without more rows (the passkey experiment used 5).
+    retrieval_kinds: the kinds of retrieval item drawn, with equal odds ("passkey": one record, its
+        query and a 5-digit answer; "kv": key-value records with a distractor, lookup by key).
     seed: with the step, it fixes every batch.
     """
     weights: dict = field(default_factory=_default_weights)
@@ -69,6 +72,7 @@ class MixtureConfig:
     min_gap_windows: float = 2.0
     retrieval_loss: str = "all"
     answer_weight: float = 1.0
+    retrieval_kinds: tuple = RETRIEVAL_KINDS
     seed: int = 0
 
     def __post_init__(self):
@@ -109,6 +113,11 @@ class MixtureConfig:
         w = self.answer_weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
             raise ValueError(f"answer_weight: must be a finite number > 0, got {w!r}")
+        rk = self.retrieval_kinds
+        if (isinstance(rk, str) or not isinstance(rk, (list, tuple)) or not rk
+                or any(k not in RETRIEVAL_KINDS for k in rk) or len(set(rk)) != len(rk)):
+            raise ValueError(f"retrieval_kinds: must be a non-empty list of distinct kinds of "
+                             f"{RETRIEVAL_KINDS}, got {rk!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed: must be an int >= 0, got {self.seed!r}")
 
@@ -123,6 +132,7 @@ class MixtureConfig:
         """JSON-ready (training_args.json); `MixtureConfig(**d)` reads it back."""
         d = asdict(self)
         d["curriculum"] = [list(s) for s in self.curriculum]
+        d["retrieval_kinds"] = list(self.retrieval_kinds)
         return d
 
     @classmethod
@@ -133,6 +143,8 @@ class MixtureConfig:
         d = dict(d)
         if "curriculum" in d and isinstance(d["curriculum"], (list, tuple)):
             d["curriculum"] = tuple(tuple(s) if isinstance(s, list) else s for s in d["curriculum"])
+        if isinstance(d.get("retrieval_kinds"), list):
+            d["retrieval_kinds"] = tuple(d["retrieval_kinds"])
         return cls(**d)
 
 
@@ -264,7 +276,8 @@ class MixtureBatches:
         return np.concatenate(ids), np.concatenate(mask), np.zeros(L, dtype=bool)
 
     def retrieval_row(self, rng, L: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        ids, ans = training_sequence(rng, self.tokens, self.tok, L - 1, 1, self.min_gap)
+        ids, ans = training_sequence(rng, self.tokens, self.tok, L - 1, 1, self.min_gap,
+                                     self.cfg.retrieval_kinds)
         loss = ans.copy() if self.cfg.retrieval_loss == "answer" else np.ones(L, dtype=bool)
         return ids, loss, ans
 
