@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cedlm.train import chat_data as D
 from cedlm.train.runner import DEVICE_HELP
 from cedlm.util import describe_device
 
@@ -51,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--data", default="data/corpus", help="prepared corpus (default data/corpus)")
     a("--steps", type=int, default=60, help="optimizer steps (default 60)")
     a("--batch-size", type=int, default=16, help="rows per step (default 16)")
-    a("--max-len", type=int, default=128, help="longest conversation / text row in tokens (default 128)")
+    a("--max-len", type=int, default=D.MAX_LEN, help=f"longest conversation / text row in tokens (default {D.MAX_LEN})")
     a("--lr", type=float, default=4e-4, help="peak learning rate (default 4e-4)")
     a("--min-lr", type=float, default=4e-5, help="final learning rate (default 4e-5)")
     a("--warmup", type=int, default=5, help="warmup steps (default 5)")
@@ -60,10 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--text-fraction", type=float, default=0.25,
       help="fraction of rows that are plain corpus text (default 0.25)")
     a("--examples", type=int, default=4000, help="training conversations to build (default 4000)")
-    a("--heldout", type=int, default=48, help="held-out conversations from the val split (default 48)")
+    a("--heldout", type=int, default=D.HELDOUT, help=f"held-out conversations from the val split (default {D.HELDOUT})")
     a("--eval-max-tokens", type=int, default=64, help="reply budget of the held-out generation (default 64)")
     a("--no-eval-before", action="store_true", help="skip the held-out chat metrics of the initial model")
-    a("--seed", type=int, default=0, help="seed of the data and order (default 0)")
+    a("--seed", type=int, default=D.SEED, help=f"seed of the data and order (default {D.SEED})")
     a("--bias-update-rate", type=float, default=1e-3, help="MoE balancing bias step (default 1e-3)")
     a("--threads", type=int, default=1, help="torch threads (default 1)")
     a("--device", default=None, help=DEVICE_HELP)
@@ -168,7 +169,7 @@ class ChatStage:
 
     def __init__(self, a: argparse.Namespace):
         from cedlm.checkpoint import load_model
-        from cedlm.train.chat_data import ChatBatches, build_examples, corpus_documents
+        from cedlm.train.chat_data import ChatBatches, build_examples, corpus_documents, heldout_examples
         from cedlm.train.optim import param_groups
         from cedlm.train.runner import MetricsLog, TimeBudget, set_threads, stage_device
         set_threads(a.threads)
@@ -180,7 +181,7 @@ class ChatStage:
         val_docs = corpus_documents(a.data, "val")
         t0 = time.time()
         self.examples = build_examples(train_docs, tok, a.examples, a.seed, a.max_len)
-        self.heldout = build_examples(val_docs, tok, a.heldout, a.seed + 1, a.max_len) if a.heldout else []
+        self.heldout = heldout_examples(val_docs, tok, a.heldout, a.seed, a.max_len)
         self.batches = ChatBatches(self.examples, train_docs, tok, a.batch_size, a.max_len, a.text_fraction,
                                    a.seed)
         self.log(f"cedlm train chat: {model.num_parameters() / 1e6:.2f}M params from {a.init}; "

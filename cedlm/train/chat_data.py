@@ -381,3 +381,16 @@ class ChatBatches:
             mask[r, : len(m)] = torch.tensor(m, device="cpu")
         is_text = torch.tensor([False] * len(chat) + [True] * self.n_text, device="cpu")
         return ids, mask, is_text
+
+
+# `cedlm train chat`'s defaults for the held-out set: how many conversations, the run's seed, the
+# longest conversation in tokens (the held-out set is drawn with seed + 1)
+HELDOUT, SEED, MAX_LEN = 48, 0, 128
+
+
+def heldout_examples(val_docs, tokenizer, n: int = HELDOUT, seed: int = SEED,
+                     max_len: int = MAX_LEN) -> list[ChatExample]:
+    """The held-out conversations of a chat run with `seed`: `n` built from the validation
+    documents with seed + 1 (the training ones use `seed`), so that every checkpoint is scored on
+    the same set."""
+    return build_examples(val_docs, tokenizer, n, seed + 1, max_len) if n else []

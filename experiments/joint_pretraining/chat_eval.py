@@ -17,7 +17,7 @@ import time
 import torch
 
 from cedlm.checkpoint import load_model, resolve_checkpoint
-from cedlm.train.chat_data import build_examples, corpus_documents
+from cedlm.train.chat_data import corpus_documents, heldout_examples
 from cedlm.train.chat_eval import chat_metrics
 
 
@@ -29,8 +29,7 @@ def main(argv: list[str]) -> int:
     src = resolve_checkpoint(argv[0])
     model, tok = load_model(src)
     t0 = time.time()
-    # as `cedlm train chat` with its defaults: --heldout 48, --seed 0 (held-out seed 1), --max-len 128
-    heldout = build_examples(corpus_documents("data/corpus", "val"), tok, 48, 1, 128)
+    heldout = heldout_examples(corpus_documents("data/corpus", "val"), tok)    # `cedlm train chat`'s defaults
     out = {"model": str(src), **chat_metrics(model, tok, heldout, 64, seed=0),
            "eval_s": round(time.time() - t0, 1)}
     text = json.dumps(out, indent=2)
