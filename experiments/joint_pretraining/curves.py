@@ -19,7 +19,11 @@ KEYS = ("step", "tokens", "seq_len", "phase", "lr", "loss", "lm_loss", "kl", "va
 
 
 def load(run: Path) -> list[dict]:
-    return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    """The run's metrics up to its checkpoint's step (a run stopped between two saves logged
+    steps that its checkpoint, and so the next stage, does not have)."""
+    last = json.loads((run / "checkpoint" / "training_args.json").read_text())["step"]
+    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return [r for r in recs if r["step"] <= last]
 
 
 def main(argv: list[str]) -> int:
