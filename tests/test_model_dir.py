@@ -368,3 +368,37 @@ def test_export_writes_the_hf_files(tmp_path):
         cfg = json.loads((out / "tokenizer_config.json").read_text("utf-8"))
         assert cfg["chat_template"] == chat_template()
         assert json.loads((out / "generation_config.json").read_text("utf-8")) == generation_config(model.cfg, tok)
+
+
+def test_model_card_joint_pretraining_section():
+    """A joint run's summary.json (`joint_*`, as experiments/joint_pretraining/assemble.py writes it)
+    gives the card its stages, retrieval rows and targets; a summary without them has no such section."""
+    from cedlm.config import ModelConfig
+    from cedlm.train.model_card import model_card
+
+    stage = {"stage": "1", "mixture": "m.json", "steps": 781, "tokens": 3_198_976, "wall_s": 8618.4, "threads": 1,
+             "weights": {"corpus": 0.55, "chat": 0.2, "retrieval": 0.15, "repeat": 0.1}, "answer_weight": 5.0,
+             "seq_lens": [256, 512, 4096]}
+    s = {"preset": "tiny", "tokens": 3_198_976, "joint_stages": [stage, {**stage, "stage": "2", "tokens": 1000,
+                                                                           "wall_s": 3600.0, "seq_lens": [1024]}],
+         "joint_passkey": [{"length": 1024, "n": 16, "exact": 0.1875, "exact_init": 0.0, "token_acc": 0.775,
+                            "token_acc_init": 0.45}],
+         "joint_targets": [{"target": "passkey exact at 1,024 tokens", "goal": ">= 90%", "measured": "0.19 of 16",
+                            "met": False, "why": "too few steps at 1,024"},
+                           {"target": "validation perplexity", "goal": "<= 60", "measured": "22.3", "met": True}],
+         "chat_finished_greedy": 0.854, "chat_finished_sampled": 0.979, "chat_heldout_n": 48, "chat_source_n": 16,
+         "chat_source_accuracy_greedy": 0.5625, "chat_heldout_loss": 1.55, "chat_eval_max_tokens": 64,
+         "heldout_text": "GPL-3", "heldout_bits_per_byte": 1.8346, "bzip2_heldout_bits_per_byte": 2.437}
+    cfg = ModelConfig.preset("tiny")
+    card = model_card(cfg, summary=s, training_args={"preset": "tiny", "steps": 55, "batch_size": 8, "seq_len": 256,
+                                                     "lr": 3e-4, "min_lr": 3e-5, "init_from": "runs/joint3c"})
+    assert "## Joint pretraining" in card and "## Chat stage" not in card
+    assert "| 1 | `m.json`: 0.55 / 0.20 / 0.15 / 0.10 | x5 | 256 → 512 → 4096 | 781 | 3,198,976 | 2.39 h | 1 |" in card
+    assert "In all: 3,199,976 tokens, 3.39 hours" in card
+    assert "| 1,024 | 16 | 0.19 | 0.00 | 0.78 / 0.45 |" in card
+    assert "| passkey exact at 1,024 tokens | >= 90% | 0.19 of 16 | **missed** | too few steps at 1,024 |" in card
+    assert "| validation perplexity | <= 60 | 22.3 | met |" in card
+    assert "85% of the greedy replies end their turn" in card and "source questions right 9 / 16" in card
+    assert "1.835 bits/byte (bzip2 -9: 2.437)" in card
+    assert "55 steps of 8 x 256" not in card and "sequences of at most 4,096 tokens" in card
+    assert "## Joint pretraining" not in model_card(cfg, summary={"preset": "tiny"})

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from cedlm.config import ModelConfig
 from cedlm.config.params import param_counts
+from cedlm.train.card_stages import chat_stage, component_stages, joint_pretraining, val
 
 # cedlm's own sampling defaults (cedlm.engine.SamplingParams: temperature 1, top_p 1, top_k off), so
 # transformers' generate() and vLLM (which read this file) sample as cedlm does. A request without
@@ -50,14 +51,6 @@ def generation_config(cfg: ModelConfig, tokenizer=None) -> dict:
 
 def _m(n: int) -> str:
     return f"{n:,} ({n / 1e6:.2f}M)"
-
-
-def _val(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    if isinstance(v, (list, dict)):
-        return "`" + json.dumps(v, ensure_ascii=False) + "`"
-    return f"`{v}`" if isinstance(v, str) else str(v)
 
 
 def _chat_keys(summary: dict) -> list[str]:
@@ -111,7 +104,12 @@ def _training(args: dict, summary: dict) -> list[str]:
     a = {**summary, **args}
     out = []
     steps, bs, sl = a.get("steps"), a.get("batch_size"), a.get("seq_len")
-    if steps and bs and sl:
+    joint = summary.get("joint_stages")
+    if joint:
+        out.append(f"- {len(joint)} stages of one joint run ({summary.get('tokens', 0):,} tokens), from random "
+                   "initialisation" + (f", preset `{a['preset']}`" if a.get("preset") else "")
+                   + ": section \"Joint pretraining\" below.")
+    elif steps and bs and sl:
         tokens = summary.get("tokens", steps * bs * sl)
         out.append(f"- {steps} steps of {bs} x {sl} tokens ({tokens:,} tokens), from random initialisation"
                    + (f", preset `{a['preset']}`" if a.get("preset") else "") + ".")
@@ -119,86 +117,13 @@ def _training(args: dict, summary: dict) -> list[str]:
         out.append(f"- AdamW (betas {args.get('beta1')}/{args.get('beta2')}, weight decay "
                    f"{args.get('weight_decay')}), learning rate {args['lr']:g} with {args.get('warmup')} "
                    f"warmup steps and cosine decay to {args.get('min_lr'):g}; gradient clip "
-                   f"{args.get('grad_clip')}; seed {args.get('seed')}.")
+                   f"{args.get('grad_clip')}; seed {args.get('seed')}"
+                   + (" (the last stage's settings)." if joint else "."))
     if "train_wall_s_approx" in summary:
         wall = summary["train_wall_s_approx"]
         out.append(f"- About {wall / 60:.0f} minutes of wall time ({wall:,} s) on CPU"
                    + (f", threads: {summary['threads']}" if summary.get("threads") else "") + ".")
     return out
-
-
-# summary.json keys of the chat stage (`cedlm train chat`, cedlm.train.chat_eval) -> description
-_CHAT_ROWS = [
-    ("heldout_loss", "cross-entropy of the reference replies (nats/token)"),
-    ("finished_greedy", "replies that end their turn (EOS) within the budget, greedy"),
-    ("finished_sampled", "replies that end their turn within the budget, temperature 1"),
-    ("reply_tokens_greedy", "mean reply length in tokens, greedy"),
-    ("reply_tokens_sampled", "mean reply length in tokens, temperature 1"),
-    ("source_accuracy_greedy", "source questions answered with the right source, greedy"),
-]
-
-
-def _chat_stage(summary: dict) -> list[str]:
-    """The chat stage's section: what it trained and its held-out metrics before / after."""
-    if "chat_steps" not in summary:
-        return []
-    s = summary
-    L = ["", "## Chat stage", "",
-         f"A supervised stage (`cedlm train chat`) on top of the pretrained model: {s['chat_steps']} steps of "
-         f"{s.get('chat_rows_per_step')} rows of up to {s.get('chat_max_len')} tokens, "
-         f"{s.get('chat_assistant_tokens', 0):,} assistant tokens from {s.get('chat_train_conversations', 0):,} "
-         "conversations built from the training split (which source a quote is from, which book of the Bible, "
-         "the next sentence of a passage, what a standard-library function does from its docstring, greetings; "
-         "some multi-turn, with a system prompt, or in thinking mode), rendered with the V4.1 chat encoding; "
-         "the loss covers the assistant tokens and the EOS ending each turn. "
-         f"{s.get('chat_text_fraction_rows', 0):.0%} of the rows ({s.get('chat_text_fraction_tokens', 0):.0%} of "
-         "the loss tokens) are plain corpus text with the pretraining loss."]
-    if any(f"chat_after_{k}" in s for k, _ in _CHAT_ROWS):
-        n = s.get("chat_after_n_heldout")
-        L += ["", f"Held-out chat metrics on {n} conversations built from the validation split "
-              f"(replies of at most {s.get('chat_eval_max_tokens', '?')} tokens):", "",
-              "| metric | before | after |", "|---|---|---|"]
-        L += [f"| {d} | {_val(s.get(f'chat_before_{k}', '-'))} | {_val(s.get(f'chat_after_{k}', '-'))} |"
-              for k, d in _CHAT_ROWS if f"chat_after_{k}" in s]
-    return L
-
-
-def _component_stages(summary: dict) -> list[str]:
-    """The stages after pretraining and chat: the distilled lightning indexer (in the main weights,
-    `cedlm train indexer`), then those that add a component file beside the main weights: the DSpark drafter
-    (`mtp.safetensors`, `cedlm train dspark`) and the vision tower (`vision.safetensors`,
-    `cedlm train vision`), from their summary keys."""
-    s, L = summary, []
-    if "indexer_steps" in s:
-        L += ["", "## Lightning indexer (distilled)", "",
-              f"`cedlm train indexer` (dense warm-up, indexer weights only; the other weights are unchanged): "
-              f"{s['indexer_steps']} steps of {s.get('indexer_seq_len')}-token sequences in "
-              f"{_val(s.get('indexer_wall_s'))} s. KL of the indexer's scores to the main attention "
-              f"{_val(s.get('indexer_kl_start'))} -> {_val(s.get('indexer_kl_end'))} nats. Against dense BF16 "
-              f"attention at {s.get('indexer_fidelity_len')} tokens, the shipped sparse configuration's KL is "
-              f"{_val(s.get('indexer_fidelity_kl_before'))} nats with the indexer at initialisation and "
-              f"{_val(s.get('indexer_fidelity_kl'))} distilled (top-1 agreement "
-              f"{_val(s.get('indexer_fidelity_top1_before'))} -> {_val(s.get('indexer_fidelity_top1'))}; "
-              "the repository's FIDELITY.md has the full table)."]
-    if "dspark_steps" in s:
-        L += ["", "## DSpark drafter (`mtp.safetensors`)", "",
-              f"`cedlm train dspark`: the target frozen, {s['dspark_steps']} drafter updates in "
-              f"{_val(s.get('dspark_minutes'))} min, distilled on the target's own outputs; mean accepted run "
-              f"length while training {_val(s.get('dspark_accepted_run'))} of {s.get('dspark_block_size', 5)} drafts. "
-              "Use it with `cedlm serve --speculative` / `LLM(..., speculative=\"dspark\")`; greedy output "
-              "is the plain decode's except where two tokens tie within float rounding (see the repository's "
-              "BENCHMARKS.md for acceptance and speed-up)."]
-    if "vision_params" in s:
-        L += ["", "## Vision tower (`vision.safetensors`)", "",
-              f"`cedlm train vision`: a {s['vision_params']:,}-parameter ViT and aligner trained with the text "
-              f"model frozen, on scikit-learn's digits and words rendered with Pillow. Held out: digits "
-              f"{_val(s.get('vision_digits_heldout_acc'))} ({s.get('vision_digits_heldout_n')} images), words "
-              f"{_val(s.get('vision_words_heldout_acc'))} ({s.get('vision_words_heldout_n')} images)"
-              + (f", after {s['vision_runs']} runs (commands above)" if s.get("vision_runs") else "")
-              + (": it reads handwritten digits and cannot read words."
-                 if (s.get("vision_digits_heldout_acc") or 0) >= 0.9 else
-                 ": it tells some digits apart and cannot read words.")]
-    return L
 
 
 def _is_default_corpus(args: dict) -> bool:
@@ -273,13 +198,14 @@ def model_card(cfg: ModelConfig, tokenizer=None, summary: dict | None = None,
     if summary.get("commands"):
         L += ["", "Reproduce (from the cedlm repository):", "", "```bash",
               *[str(c) for c in summary["commands"]], "```"]
-    L += _chat_stage(summary)
-    L += _component_stages(summary)
+    L += joint_pretraining(summary)
+    L += chat_stage(summary)
+    L += component_stages(summary)
     L += ["", "## Evaluation", "", *_evaluation(summary)]
     recorded = {k: v for k, v in summary.items() if k != "commands"}
     if recorded:
         L += ["", "Every value recorded in summary.json:", "", "| key | value |", "|---|---|",
-              *[f"| `{k}` | {_val(v)} |" for k, v in recorded.items()]]
+              *[f"| `{k}` | {val(v)} |" for k, v in recorded.items()]]
     default_corpus = _is_default_corpus(args)
     L += [
         "", "## Licenses", "",
@@ -305,7 +231,7 @@ def model_card(cfg: ModelConfig, tokenizer=None, summary: dict | None = None,
           + ". Continuations are locally plausible word sequences, often repetitive and ungrammatical, "
           "with no knowledge to rely on."]
     if chat:
-        L += ["- Chat stage recorded in summary.json: " + ", ".join(f"`{k}` = {_val(summary[k])}" for k in chat)
+        L += ["- Chat stage recorded in summary.json: " + ", ".join(f"`{k}` = {val(summary[k])}" for k in chat)
               + "."]
     else:
         L += ["- No chat or instruction fine-tune yet: trained on plain documents only. It continues text; in "
@@ -317,9 +243,12 @@ def model_card(cfg: ModelConfig, tokenizer=None, summary: dict | None = None,
               "of the Union addresses, Python documentation and standard library) with the language and views "
               "of its periods.",
               f"- A {vocab:,}-token vocabulary fitted to that corpus: other text tokenizes into many short pieces."]
-    if args.get("seq_len"):
-        L += [f"- Trained on {args['seq_len']}-token sequences; the config allows "
-              f"{cfg.max_position_embeddings:,} positions, but quality beyond {args['seq_len']} tokens is untested."]
+    longest = max((n for st in summary.get("joint_stages") or [] for n in st.get("seq_lens", [])),
+                  default=args.get("seq_len"))
+    if longest:
+        L += [f"- Trained on sequences of at most {longest:,} tokens; the config allows "
+              f"{cfg.max_position_embeddings:,} positions, but quality beyond {longest:,} tokens is measured only "
+              "where this card says so."]
     if cfg.engram_token_map == "legacy-v0":
         L += ["- Its Engram layers use cedlm's `legacy-v0` compressed-token map (config `cedlm.engram_token_map`); "
               "cedlm's loader applies it, other V4.1 implementations would use the official map and compute "

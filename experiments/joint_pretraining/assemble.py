@@ -1,0 +1,182 @@
+"""Assemble the default model's directory from the joint run's stages, its drafter and vision runs
+and the evaluations, with a summary.json the model card is generated from.
+
+    .venv/bin/python experiments/joint_pretraining/assemble.py experiments/joint_pretraining/ship.json OUT_DIR
+
+The spec (`ship.json`) names, relative to the repository root:
+    stages    the joint run's stages in order: {"stage", "run" (a `cedlm train pretrain` run dir),
+              "mixture" (its mixture file), "threads"}; the last one's export is the text model
+    text      that export (`cedlm export RUN DIR`)
+    dspark    the `cedlm train dspark` run trained against it (its export/ adds mtp.safetensors)
+    vision    the `cedlm train vision` run trained against it (its export/ adds vision.safetensors
+              and the config's vision_config / image_token_id)
+    evals     the directory of the evaluations (`val_ppl.json`, `heldout_ppl.json`, `chat.json`,
+              `fid_trained.json`, `fid_init.json`: the commands in experiments/README.md)
+    heldout   the held-out English file of `heldout_ppl.json`
+    why       per target, why it was missed (prose, only used for missed targets)
+    machine, commands, curves   copied into summary.json
+
+The drafter's and the vision tower's exports must carry the text weights of `text` unchanged (checked
+tensor by tensor): they were trained against that target. The directory is written atomically; then
+`python -m cedlm.train.model_card OUT_DIR` is what `tests/test_model_dir.py` checks it against.
+"""
+from __future__ import annotations
+
+import bz2
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from cedlm.train.model_card import expected_files
+from cedlm.util import atomic_directory
+
+COPIED = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "training_args.json")
+
+
+def _json(p: Path) -> dict:
+    return json.loads(p.read_text("utf-8"))
+
+
+def _same_text_weights(a: Path, b: Path) -> None:
+    x, y = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    if x.keys() != y.keys() or any(not x[k].equal(y[k]) for k in x):
+        raise SystemExit(f"error: {b} was not trained against {a}: its text weights differ")
+
+
+def stage_rows(spec: dict, root: Path) -> list[dict]:
+    """Per stage: its checkpoint's step, the tokens and wall time up to it (metrics.jsonl; the
+    elapsed time carries over resumes), the mixture's row shares and curriculum."""
+    rows = []
+    for st in spec["stages"]:
+        run = root / st["run"]
+        step = _json(run / "checkpoint" / "training_args.json")["step"]
+        recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
+        last = [r for r in recs if r["step"] <= step and "elapsed" in r][-1]
+        mix = _json(root / st["mixture"])
+        rows.append({"stage": st["stage"], "mixture": st["mixture"], "steps": step, "tokens": last["tokens"],
+                     "wall_s": round(last["elapsed"], 1), "threads": st["threads"],
+                     "weights": mix["weights"], "answer_weight": mix.get("answer_weight", 1.0),
+                     "seq_lens": [n for _, n in mix["curriculum"]]})
+    return rows
+
+
+def passkey_rows(trained: dict, init: dict) -> list[dict]:
+    return [{"length": int(n), "n": trained["retrieval_samples"][n], "exact": trained["retrieval"][n],
+             "exact_init": init["retrieval"].get(n), "token_acc": trained["answer_token_acc"][n],
+             "token_acc_init": init["answer_token_acc"].get(n)}
+            for n in sorted(trained["retrieval"], key=int)]
+
+
+def targets(s: dict, why: dict) -> list[dict]:
+    """Issue 29's targets, each with what this model measures."""
+    pk = {r["length"]: r for r in s["joint_passkey"]}
+
+    def passkey(n, goal):
+        r = pk.get(n)
+        return (f"{r['exact']:.2f} of {r['n']}" if r else "not run"), bool(r and r["exact"] >= goal)
+
+    out = []
+    for n, goal in ((1024, 0.9), (4096, 0.9), (16384, 0.5)):
+        m, ok = passkey(n, goal)
+        out.append({"id": f"passkey_{n}", "target": f"passkey exact at {n:,} tokens, sparse as shipped",
+                    "goal": f">= {goal:.0%}", "measured": m, "met": ok})
+    ahead = all(r["exact_init"] is not None and r["token_acc"] > r["token_acc_init"] for r in s["joint_passkey"])
+    out.append({"id": "indexer_ahead", "target": "trained indexer ahead of the untrained one at every length",
+                "goal": "answer tokens right, trained > at initialisation", "met": ahead,
+                "measured": ", ".join(f"{r['token_acc']:.2f} > {r['token_acc_init']:.2f}" for r in s["joint_passkey"])})
+    out.append({"id": "val_ppl", "target": "validation perplexity at 256 tokens", "goal": "<= 60",
+                "measured": f"{s['val_perplexity']:.1f}", "met": s["val_perplexity"] <= 60})
+    out.append({"id": "heldout_bpb", "target": "held-out English bits/byte", "goal": "< bzip2",
+                "measured": f"{s['heldout_bits_per_byte']:.3f} (bzip2 {s['bzip2_heldout_bits_per_byte']:.3f})",
+                "met": s["heldout_bits_per_byte"] < s["bzip2_heldout_bits_per_byte"]})
+    out.append({"id": "chat_end", "target": "greedy chat replies that end their turn", "goal": ">= 95%",
+                "measured": f"{s['chat_finished_greedy']:.0%} of {s['chat_heldout_n']}",
+                "met": s["chat_finished_greedy"] >= 0.95})
+    right = round(s["chat_source_accuracy_greedy"] * s["chat_source_n"])
+    out.append({"id": "chat_source", "target": "source questions right (greedy)", "goal": ">= 10 / 16",
+                "measured": f"{right} / {s['chat_source_n']}", "met": right >= 10})
+    if "vision_digits_heldout_acc" in s:
+        out.append({"id": "vision_digits", "target": "vision: held-out digits", "goal": ">= 97%",
+                    "measured": f"{s['vision_digits_heldout_acc']:.1%}", "met": s["vision_digits_heldout_acc"] >= 0.97})
+        out.append({"id": "vision_words", "target": "vision: held-out words", "goal": ">= 50%",
+                    "measured": f"{s['vision_words_heldout_acc']:.1%}", "met": s["vision_words_heldout_acc"] >= 0.5})
+    if "dspark_tokens_per_forward" in s:
+        out.append({"id": "dspark", "target": "DSpark tokens per target forward, batch 1", "goal": ">= 3",
+                    "measured": f"{s['dspark_tokens_per_forward']:.2f}", "met": s["dspark_tokens_per_forward"] >= 3})
+    for t in out:
+        if not t["met"]:
+            t["why"] = why.get(t["id"], "")
+    return out
+
+
+def summary(spec: dict, root: Path) -> dict:
+    ev = root / spec["evals"]
+    val, held, chat = _json(ev / "val_ppl.json"), _json(ev / "heldout_ppl.json"), _json(ev / "chat.json")
+    trained, init = _json(ev / "fid_trained.json"), _json(ev / "fid_init.json")
+    stages = stage_rows(spec, root)
+    raw = (root / spec["heldout"]).read_bytes() if not Path(spec["heldout"]).is_absolute() else \
+        Path(spec["heldout"]).read_bytes()
+    s = {"preset": spec.get("preset", "small"),
+         "tokens": sum(r["tokens"] for r in stages),
+         "train_wall_s_approx": round(sum(r["wall_s"] for r in stages)),
+         "joint_stages": stages, "joint_machine": spec.get("machine"),
+         "val_perplexity": val["perplexity"], "val_bits_per_byte": val["bits_per_byte"],
+         "val_tokens": val["tokens"], "val_bytes": val["bytes"],
+         "heldout_text": spec["heldout"], "heldout_bits_per_byte": held["bits_per_byte"],
+         "bzip2_heldout_bits_per_byte": 8 * len(bz2.compress(raw, 9)) / len(raw),
+         "chat_heldout_n": chat["n_heldout"], "chat_heldout_loss": chat["heldout_loss"],
+         "chat_finished_greedy": chat["finished_greedy"], "chat_finished_sampled": chat["finished_sampled"],
+         "chat_reply_tokens_greedy": chat["reply_tokens_greedy"], "chat_source_n": chat["n_source"],
+         "chat_source_accuracy_greedy": chat["source_accuracy_greedy"], "chat_eval_max_tokens": 64,
+         "joint_passkey": passkey_rows(trained, init),
+         "indexer_fidelity_len": int(next(iter(trained["text_samples"]))),
+         "joint_indexer_kl": trained["kl"], "joint_indexer_kl_init": init["kl"]}
+    dspark = root / spec["dspark"]
+    s.update(_json(dspark / "summary.json"))
+    if (ev / "dspark.json").exists():
+        b = _json(ev / "dspark.json")
+        s["dspark_tokens_per_forward"] = b["tokens_per_forward"]
+    vis = _json(root / spec["vision"] / "eval.json")
+    s.update({f"vision_{k}" if not k.startswith("vision_") else k: v for k, v in vis.items()
+              if k not in ("vision_config", "init", "threads")})
+    s["joint_targets"] = targets(s, spec.get("why", {}))
+    s["joint_curves"] = spec.get("curves")
+    s["commands"] = spec.get("commands", [])
+    return s
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: assemble.py SHIP_JSON OUT_DIR", file=sys.stderr)
+        return 2
+    root = Path.cwd()
+    spec = _json(Path(argv[0]))
+    text, dspark = root / spec["text"], root / spec["dspark"] / "export"
+    vision = root / spec["vision"] / "export"
+    _same_text_weights(text, dspark)
+    _same_text_weights(text, vision)
+    cfg, vcfg = _json(text / "config.json"), _json(vision / "config.json")
+    if {k: v for k, v in vcfg.items() if k not in ("vision_config", "image_token_id")} != \
+            {k: v for k, v in cfg.items() if k not in ("vision_config", "image_token_id")}:
+        raise SystemExit(f"error: {vision}'s config differs from {text}'s beyond its vision_config")
+    s = summary(spec, root)
+    with atomic_directory(Path(argv[1])) as tmp:
+        for name in COPIED:
+            shutil.copy(text / name, tmp / name)
+        shutil.copy(vision / "config.json", tmp / "config.json")     # the text config + the tower's
+        shutil.copy(dspark / "mtp.safetensors", tmp / "mtp.safetensors")
+        shutil.copy(vision / "vision.safetensors", tmp / "vision.safetensors")
+        (tmp / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+        for name, body in expected_files(tmp).items():
+            (tmp / name).write_text(body, encoding="utf-8")
+    print(f"wrote {argv[1]}: {len(s['joint_stages'])} stages, {s['tokens']:,} tokens")
+    for t in s["joint_targets"]:
+        print(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['measured']} (goal {t['goal']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
