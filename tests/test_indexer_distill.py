@@ -223,3 +223,30 @@ def test_retrieval_kinds_choose_the_items(tiny, text_tokens, capsys):
     with pytest.raises(SystemExit):
         main(["eval", "fidelity", "--model", "tiny", "--retrieval-kinds", "passkey,nope"])
     assert "--retrieval-kinds" in capsys.readouterr().err
+
+
+def test_csa2_row_reports_the_unshared_layouts_bytes(tmp_path):
+    """The CSA2 row is not measured (no weights for it), but its KV bytes are: every compressed
+    encoder layer its own KV and index-key source, every compressed layer its own indexer, the
+    decoder's one global KV kept (the shipped small config: 212 -> 318 B/token)."""
+    from cedlm.config import ModelConfig
+    from cedlm.eval.ablate import NOT_MEASURED, csa2_unshared
+    from cedlm.eval.fidelity_report import write_report
+    from cedlm.kv_layout import KVLayout
+
+    cfg = ModelConfig.from_json(REPO / "cedlm" / "assets" / "model" / "config.json")
+    un = csa2_unshared(cfg)
+    comp = [i for i in range(cfg.n_layers) if cfg.compress_ratios[i] > 0]
+    assert un.index_source_layer_ids == comp and un.decoder_start == cfg.decoder_start
+    assert [un.role(i) for i in comp] == ["full" if i <= cfg.decoder_start else "reindex" for i in comp]
+    shared, own = KVLayout.from_config(cfg), KVLayout.from_config(un)
+    assert own.bytes_per_token > shared.bytes_per_token
+    assert own.window_bytes_per_sequence == shared.window_bytes_per_sequence
+    md = (write_report(tmp_path, {"model": "m", "tail": 8, "retrieval_lengths": [],
+                                                  "retrieval_samples": {}, "command": "c", "wall_s": 60, "threads": 1},
+                       [{"name": "reference", "group": "reference", "overrides": {}, "prefill": "full",
+                         "restore": None, "indexer": "model", "kl": 0.0, "d_ppl_pct": 0.0, "top1": 1.0,
+                         "retrieval": {}, "bytes_per_token": 768, "text_samples": {"8": 1}, "ref_ppl": 9.0}],
+                       cfg, NOT_MEASURED)).read_text()
+    row = next(l for l in md.splitlines() if "CSA2 sharing" in l)
+    assert f"| {float(own.bytes_per_token):.0f} | {own.window_bytes_per_sequence:,} |  |" in row

@@ -388,7 +388,7 @@ def test_model_card_joint_pretraining_section():
                            {"target": "validation perplexity", "goal": "<= 60", "measured": "22.3", "met": True}],
          "chat_finished_greedy": 0.854, "chat_finished_sampled": 0.979, "chat_heldout_n": 48, "chat_source_n": 16,
          "chat_source_accuracy_greedy": 0.5625, "chat_heldout_loss": 1.55, "chat_eval_max_tokens": 64,
-         "heldout_text": "GPL-3", "heldout_bits_per_byte": 1.8346, "bzip2_heldout_bits_per_byte": 2.437}
+         "joint_notes": ["No scaling sweep was run."], "heldout_text": "GPL-3", "heldout_bits_per_byte": 1.8346, "bzip2_heldout_bits_per_byte": 2.437}
     cfg = ModelConfig.preset("tiny")
     card = model_card(cfg, summary=s, training_args={"preset": "tiny", "steps": 55, "batch_size": 8, "seq_len": 256,
                                                      "lr": 3e-4, "min_lr": 3e-5, "init_from": "runs/joint3c"})
@@ -399,6 +399,6 @@ def test_model_card_joint_pretraining_section():
     assert "| passkey exact at 1,024 tokens | >= 90% | 0.19 of 16 | **missed** | too few steps at 1,024 |" in card
     assert "| validation perplexity | <= 60 | 22.3 | met |" in card
     assert "85% of the greedy replies end their turn" in card and "source questions right 9 / 16" in card
-    assert "1.835 bits/byte (bzip2 -9: 2.437)" in card
+    assert "1.835 bits/byte (bzip2 -9: 2.437)" in card and "\n- No scaling sweep was run.\n" in card
     assert "55 steps of 8 x 256" not in card and "sequences of at most 4,096 tokens" in card
     assert "## Joint pretraining" not in model_card(cfg, summary={"preset": "tiny"})

@@ -62,8 +62,13 @@ def write_report(out: Path, meta: dict, rows: list[dict], cfg, not_measured, rep
                                         *_fmt_retrieval(r, lengths), f"{r['bytes_per_token']:.0f}",
                                         _window_bytes(cfg, r),
                                         "yes" if ok else "**no**"]) + " |")
-    for name, why in not_measured:
-        lines.append(f"| – | {name} | not measured: {why} |" + " |" * (len(head) - 3))
+    for name, why, *layout in not_measured:          # an optional config transform: its KV bytes
+        cells = [""] * (len(head) - 3)
+        if layout:
+            from cedlm.kv_layout import KVLayout
+            kv = KVLayout.from_config(layout[0](cfg))
+            cells[-3:-1] = [f"{float(kv.bytes_per_token):.0f}", f"{kv.window_bytes_per_sequence:,}"]
+        lines.append(f"| – | {name} | not measured: {why} | " + " | ".join(cells) + " |")
     detail = ["| row | " + " | ".join(f"answer NLL@{L} | token acc@{L}" for L in lengths) + " |",
               "|---|" + "---|---|" * len(lengths)]
     for r in rows:

@@ -79,6 +79,8 @@ def joint_pretraining(summary: dict) -> list[str]:
               "| target | goal | measured | | why, where missed |", "|---|---|---|---|---|"]
         L += [f"| {t['target']} | {t['goal']} | {t['measured']} | {'met' if t['met'] else '**missed**'} "
               f"| {t.get('why', '')} |" for t in targets]
+    if s.get("joint_notes"):
+        L += [""] + [f"- {n}" for n in s["joint_notes"]]
     if s.get("joint_curves"):
         L += ["", f"Training curves: `{s['joint_curves']}` in the cedlm repository."]
     return L

@@ -10,11 +10,11 @@ The spec (`ship.json`) names, relative to the repository root:
     dspark    the `cedlm train dspark` run trained against it (its export/ adds mtp.safetensors)
     vision    the `cedlm train vision` run trained against it (its export/ adds vision.safetensors
               and the config's vision_config / image_token_id)
-    evals     the directory of the evaluations (`val_ppl.json`, `heldout_ppl.json`, `chat.json`,
-              `fid_trained.json`, `fid_init.json`: the commands in experiments/README.md)
+    evals     the directory `evaluate.sh` wrote (`val_ppl.json`, `heldout_ppl.json`, `chat.json`,
+              `fid_trained.json`, `fid_init.json`, `bench/dspark.json`)
     heldout   the held-out English file of `heldout_ppl.json`
     why       per target, why it was missed (prose, only used for missed targets)
-    machine, commands, curves   copied into summary.json
+    machine, notes, commands, curves   copied into summary.json (notes: bullets under the targets)
 
 The drafter's and the vision tower's exports must carry the text weights of `text` unchanged (checked
 tensor by tensor): they were trained against that target. The directory is written atomically; then
@@ -136,13 +136,17 @@ def summary(spec: dict, root: Path) -> dict:
          "joint_indexer_kl": trained["kl"], "joint_indexer_kl_init": init["kl"]}
     dspark = root / spec["dspark"]
     s.update(_json(dspark / "summary.json"))
-    if (ev / "dspark.json").exists():
-        b = _json(ev / "dspark.json")
-        s["dspark_tokens_per_forward"] = b["tokens_per_forward"]
+    if (ev / "bench" / "dspark.json").exists():            # `cedlm bench --only dspark` on the drafter's export
+        b = _json(ev / "bench" / "dspark.json")
+        row = next(r for r in b["rows"] if r["batch"] == 1 and r["config"] == "dspark_block")
+        s["dspark_tokens_per_forward"] = row["tokens_per_forward"]
+        s["dspark_acceptance_by_position"] = [round(a, 4) for a in row["acceptance_by_position"]]
+        s["dspark_speedup_batch1"] = round(row["speedup"], 3)
     vis = _json(root / spec["vision"] / "eval.json")
     s.update({f"vision_{k}" if not k.startswith("vision_") else k: v for k, v in vis.items()
               if k not in ("vision_config", "init", "threads")})
     s["joint_targets"] = targets(s, spec.get("why", {}))
+    s["joint_notes"] = spec.get("notes", [])
     s["joint_curves"] = spec.get("curves")
     s["commands"] = spec.get("commands", [])
     return s
