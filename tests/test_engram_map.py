@@ -1,8 +1,9 @@
 """The Engram compressed-token map (cedlm.text.engram_map): the exact V4.1 map on the official
-vocabulary, the legacy map of the shipped model, the size check, and every load path setting it."""
+vocabulary, the shipped model's V4.1 map, the legacy map, the size check, and every load path setting it."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -133,13 +134,16 @@ def _map_of(model):
     return model.engram_token_map.tolist()
 
 
-def test_shipped_model_loads_with_its_legacy_map():
+def test_shipped_model_loads_with_the_v41_map():
+    """The default model was trained with the official V4.1 map of its tokenizer (no `cedlm` block
+    in its config.json), so an engine that follows the official config computes its Engram lookups."""
     from cedlm.checkpoint import load_model
     from cedlm.engine.loader import DEFAULT_MODEL
+    assert "cedlm" not in json.loads((DEFAULT_MODEL / "config.json").read_text())
     model, tk = load_model(DEFAULT_MODEL)
-    assert model.cfg.engram_token_map == LEGACY_V0
-    assert _map_of(model) == build_token_map(tk, LEGACY_V0)[0]
-    assert _map_of(model) != build_token_map(tk, V41)[0]
+    assert model.cfg.engram_token_map == V41 and model.cfg.rope_precision == "float32"
+    assert _map_of(model) == build_token_map(tk, V41)[0]
+    assert _map_of(model) != build_token_map(tk, LEGACY_V0)[0]
 
 
 def test_checkpoint_preset_eval_and_train_paths_set_the_v41_map(tmp_path, tok):
@@ -172,8 +176,10 @@ def test_checkpoint_preset_eval_and_train_paths_set_the_v41_map(tmp_path, tok):
     assert m.cfg.vocab_size == 4096 and m.cfg.engram_compressed_vocab_size == 3177
     assert _map_of(m) == build_token_map(tok, V41)[0]
     # ... even from the config of a checkpoint trained with the legacy map
-    from cedlm.engine.loader import DEFAULT_MODEL
-    a = SimpleNamespace(tokenizer="default", config=str(DEFAULT_MODEL / "config.json"), preset=None,
+    legacy = ModelConfig.preset("small").replace(engram_token_map=LEGACY_V0, rope_precision="float64")
+    legacy.save_json(tmp_path / "legacy.json")
+    assert json.loads((tmp_path / "legacy.json").read_text())["cedlm"]["engram_token_map"] == LEGACY_V0
+    a = SimpleNamespace(tokenizer="default", config=str(tmp_path / "legacy.json"), preset=None,
                         arch=None, seed=0)
     m, _ = train_mod._build_model(a, False)
     assert m.cfg.engram_token_map == V41 and _map_of(m) == build_token_map(tok, V41)[0]

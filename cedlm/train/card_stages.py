@@ -26,6 +26,11 @@ def _share(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _count(share, n: int) -> str:
+    """A share of n items as 'k / n'."""
+    return "-" if share is None else f"{round(share * n)} / {n}"
+
+
 def joint_pretraining(summary: dict) -> list[str]:
     """The joint pretraining run: its stages (mixture, curriculum, tokens, wall time), the held-out
     chat and retrieval metrics, and each target with what was measured."""
@@ -71,7 +76,7 @@ def joint_pretraining(summary: dict) -> list[str]:
               "the shipped sparse configuration; exact = every answer token the argmax under teacher forcing):",
               "", "| context tokens | items | exact, trained indexer | exact, indexer at initialisation "
               "| answer tokens right, trained / at initialisation |", "|---|---|---|---|---|"]
-        L += [f"| {r['length']:,} | {r['n']} | {r['exact']:.2f} | {_share(r.get('exact_init'))} "
+        L += [f"| {r['length']:,} | {r['n']} | {_count(r['exact'], r['n'])} | {_count(r.get('exact_init'), r['n'])} "
               f"| {_share(r.get('token_acc'))} / {_share(r.get('token_acc_init'))} |" for r in rows]
     targets = s.get("joint_targets") or []
     if targets:

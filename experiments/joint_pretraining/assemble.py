@@ -48,7 +48,8 @@ def _same_text_weights(a: Path, b: Path) -> None:
 
 def stage_rows(spec: dict, root: Path) -> list[dict]:
     """Per stage: its checkpoint's step, the tokens and wall time up to it (metrics.jsonl; the
-    elapsed time carries over resumes), the mixture's row shares and curriculum."""
+    elapsed time carries over resumes), the mixture's row shares and the lengths of its curriculum
+    that the stage reached."""
     rows = []
     for st in spec["stages"]:
         run = root / st["run"]
@@ -59,7 +60,7 @@ def stage_rows(spec: dict, root: Path) -> list[dict]:
         rows.append({"stage": st["stage"], "mixture": st["mixture"], "steps": step, "tokens": last["tokens"],
                      "wall_s": round(last["elapsed"], 1), "threads": st["threads"],
                      "weights": mix["weights"], "answer_weight": mix.get("answer_weight", 1.0),
-                     "seq_lens": [n for _, n in mix["curriculum"]]})
+                     "seq_lens": [n for start, n in mix["curriculum"] if start < step]})   # as trained
     return rows
 
 
@@ -76,7 +77,8 @@ def targets(s: dict, why: dict) -> list[dict]:
 
     def passkey(n, goal):
         r = pk.get(n)
-        return (f"{r['exact']:.2f} of {r['n']}" if r else "not run"), bool(r and r["exact"] >= goal)
+        return (f"{round(r['exact'] * r['n'])} / {r['n']} ({r['exact']:.0%})" if r else "not run"), \
+            bool(r and r["exact"] >= goal)
 
     out = []
     for n, goal in ((1024, 0.9), (4096, 0.9), (16384, 0.5)):
