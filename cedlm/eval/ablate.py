@@ -32,7 +32,6 @@ from cedlm.data.retrieval import KINDS
 from cedlm.eval.fidelity import REFERENCE, Measurement, Setting, reference
 
 
-
 def csa2_unshared(cfg):
     """CSA2 sharing off: every compressed encoder layer its own Full source (its own compressed KV and
     index keys) and every compressed layer its own indexer; the decoder keeps its one global KV (the

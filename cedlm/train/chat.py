@@ -62,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="fraction of rows that are plain corpus text (default 0.25)")
     a("--examples", type=int, default=4000, help="training conversations to build (default 4000)")
     a("--heldout", type=int, default=D.HELDOUT, help=f"held-out conversations from the val split (default {D.HELDOUT})")
-    a("--eval-max-tokens", type=int, default=64, help="reply budget of the held-out generation (default 64)")
+    a("--eval-max-tokens", type=int, default=D.EVAL_MAX_TOKENS,
+      help=f"reply budget of the held-out generation (default {D.EVAL_MAX_TOKENS})")
     a("--no-eval-before", action="store_true", help="skip the held-out chat metrics of the initial model")
     a("--seed", type=int, default=D.SEED, help=f"seed of the data and order (default {D.SEED})")
     a("--bias-update-rate", type=float, default=1e-3, help="MoE balancing bias step (default 1e-3)")

@@ -386,6 +386,7 @@ class ChatBatches:
 # `cedlm train chat`'s defaults for the held-out set: how many conversations, the run's seed, the
 # longest conversation in tokens (the held-out set is drawn with seed + 1)
 HELDOUT, SEED, MAX_LEN = 48, 0, 128
+EVAL_MAX_TOKENS = 64        # reply budget of the held-out generation (`cedlm train chat --eval-max-tokens`)
 
 
 def heldout_examples(val_docs, tokenizer, n: int = HELDOUT, seed: int = SEED,

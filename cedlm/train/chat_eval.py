@@ -21,7 +21,7 @@ import torch
 
 from cedlm.engine.llm import LLM
 from cedlm.engine.sampling_params import SamplingParams
-from cedlm.train.chat_data import SOURCE_NAMES, ChatExample
+from cedlm.train.chat_data import EVAL_MAX_TOKENS, SOURCE_NAMES, ChatExample
 
 
 def named_sources(reply: str) -> set[str]:
@@ -56,7 +56,8 @@ def generate_replies(model, tokenizer, examples: list[ChatExample], params: Samp
     return outs
 
 
-def chat_metrics(model, tokenizer, examples: list[ChatExample], max_tokens: int = 64, seed: int = 0) -> dict:
+def chat_metrics(model, tokenizer, examples: list[ChatExample], max_tokens: int = EVAL_MAX_TOKENS,
+                 seed: int = 0) -> dict:
     """The metrics above for `examples`; the model is left in eval mode."""
     was = model.training
     model.eval()

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from cedlm.train.chat_data import EVAL_MAX_TOKENS
 from cedlm.train.model_card import expected_files
 from cedlm.util import atomic_directory
 
@@ -119,8 +120,7 @@ def summary(spec: dict, root: Path) -> dict:
     val, held, chat = _json(ev / "val_ppl.json"), _json(ev / "heldout_ppl.json"), _json(ev / "chat.json")
     trained, init = _json(ev / "fid_trained.json"), _json(ev / "fid_init.json")
     stages = stage_rows(spec, root)
-    raw = (root / spec["heldout"]).read_bytes() if not Path(spec["heldout"]).is_absolute() else \
-        Path(spec["heldout"]).read_bytes()
+    raw = (root / spec["heldout"]).read_bytes()          # an absolute path stays itself
     s = {"preset": spec.get("preset", "small"),
          "tokens": sum(r["tokens"] for r in stages),
          "train_wall_s_approx": round(sum(r["wall_s"] for r in stages)),
@@ -132,7 +132,7 @@ def summary(spec: dict, root: Path) -> dict:
          "chat_heldout_n": chat["n_heldout"], "chat_heldout_loss": chat["heldout_loss"],
          "chat_finished_greedy": chat["finished_greedy"], "chat_finished_sampled": chat["finished_sampled"],
          "chat_reply_tokens_greedy": chat["reply_tokens_greedy"], "chat_source_n": chat["n_source"],
-         "chat_source_accuracy_greedy": chat["source_accuracy_greedy"], "chat_eval_max_tokens": 64,
+         "chat_source_accuracy_greedy": chat["source_accuracy_greedy"], "chat_eval_max_tokens": EVAL_MAX_TOKENS,
          "joint_passkey": passkey_rows(trained, init),
          "indexer_fidelity_len": int(next(iter(trained["text_samples"]))),
          "joint_indexer_kl": trained["kl"], "joint_indexer_kl_init": init["kl"]}
