@@ -394,7 +394,18 @@ def test_model_card_joint_pretraining_section():
                            {"target": "validation perplexity", "goal": "<= 60", "measured": "22.3", "met": True}],
          "chat_finished_greedy": 0.854, "chat_finished_sampled": 0.979, "chat_heldout_n": 48, "chat_source_n": 16,
          "chat_source_accuracy_greedy": 0.5625, "chat_heldout_loss": 1.55, "chat_eval_max_tokens": 64,
-         "joint_notes": ["No scaling sweep was run."], "heldout_text": "GPL-3", "heldout_bits_per_byte": 1.8346, "bzip2_heldout_bits_per_byte": 2.437}
+         "joint_notes": ["No scaling sweep was run."], "heldout_text": "GPL-3", "heldout_bits_per_byte": 1.8346, "bzip2_heldout_bits_per_byte": 2.437,
+         "joint_curves": "docs/c.png",
+         "joint_curve_points": [{"stage": 1, "step": 100, "tokens": 409600, "seq_len": 256, "phase": "dense",
+                                 "loss": 6.005, "val_ppl": 350.8},
+                                {"stage": 2, "step": 831, "tokens": 3403776, "seq_len": 256, "phase": "sparse",
+                                 "loss": 3.782, "val_ppl": 32.1, "retrieval_acc": 0.2439, "retrieval_exact": 0.0,
+                                 "retrieval_len": 1024}],
+         "joint_sweep": {"steps": 60, "batch_tokens": 4096, "threads": 2, "equal_time_s": 400.0,
+                         "rows": [{"width": 128, "params": {"total": 10976312, "active_decode": 3522296.0},
+                                   "tokens": 245760, "tokens_per_s": 610.2, "train_s": 402.7, "val_ppl": 120.5,
+                                   "train_loss_at_fastest_s": 5.123}],
+                         "conclusion": "Width 128 wins.", "command": "python sweep.py"}}
     cfg = ModelConfig.preset("tiny")
     card = model_card(cfg, summary=s, training_args={"preset": "tiny", "steps": 55, "batch_size": 8, "seq_len": 256,
                                                      "lr": 3e-4, "min_lr": 3e-5, "init_from": "runs/joint3c"})
@@ -406,5 +417,12 @@ def test_model_card_joint_pretraining_section():
     assert "| validation perplexity | <= 60 | 22.3 | met |" in card
     assert "85% of the greedy replies end their turn" in card and "source questions right 9 / 16" in card
     assert "1.835 bits/byte (bzip2 -9: 2.437)" in card and "\n- No scaling sweep was run.\n" in card
+    assert "| 1 | 100 | 409,600 | 256 | dense | 6.005 | 350.8 | - |" in card              # the curves
+    assert "| 2 | 831 | 3,403,776 | 256 | sparse | 3.782 | 32.1 | 0.24 / 0.00 (1,024) |" in card
+    assert "plotted in `docs/c.png`" in card
+    assert "### Scaling sweep" in card and "training loss at 400 s |" in card                # the sweep
+    assert "| 128 | 11.0M | 3.5M | 245,760 | 610 | 6.7 min | 120.5 | 5.123 |" in card
+    assert "\nWidth 128 wins.\n" in card and "Reproduce: `python sweep.py`" in card
+    assert '| `joint_sweep` | (the "Scaling sweep" table above) |' in card       # not dumped as JSON again
     assert "55 steps of 8 x 256" not in card and "sequences of at most 4,096 tokens" in card
     assert "## Joint pretraining" not in model_card(cfg, summary={"preset": "tiny"})

@@ -13,6 +13,11 @@ from __future__ import annotations
 import json
 
 
+# summary.json keys the sections above print as tables: the card's list of every value points there
+TABLED = {"joint_curve_points": "(the \"Training curves\" table above)",
+          "joint_sweep": "(the \"Scaling sweep\" table above)"}
+
+
 def val(v) -> str:
     """One recorded value as the card prints it."""
     if isinstance(v, float):
@@ -86,8 +91,51 @@ def joint_pretraining(summary: dict) -> list[str]:
               f"| {t.get('why', '')} |" for t in targets]
     if s.get("joint_notes"):
         L += [""] + [f"- {n}" for n in s["joint_notes"]]
-    if s.get("joint_curves"):
-        L += ["", f"Training curves: `{s['joint_curves']}` in the cedlm repository."]
+    L += _curve_points(s.get("joint_curve_points") or [], s.get("joint_curves"))
+    L += _sweep(s.get("joint_sweep"))
+    return L
+
+
+def _curve_points(points: list[dict], plot: str | None) -> list[str]:
+    """The run's curves at its validation steps, stage after stage."""
+    if not points:
+        return ["", f"Training curves: `{plot}` in the cedlm repository."] if plot else []
+    L = ["", "### Training curves", "",
+         "At every validation step of the run (step and tokens counted from the first stage; training loss: "
+         "the logged step's, over the mixture; held-out retrieval: answer tokens right / items exact, at the "
+         "length shown, under teacher forcing, with the selection of that moment)"
+         + (f"; plotted in `{plot}` of the cedlm repository" if plot else "") + ":", "",
+         "| stage | step | tokens | sequence length | selection | training loss | validation perplexity (256) "
+         "| held-out retrieval: answer tokens / exact (length) |", "|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        ret = ("-" if p.get("retrieval_acc") is None else
+               f"{p['retrieval_acc']:.2f} / {p['retrieval_exact']:.2f} ({p['retrieval_len']:,})")
+        L.append(f"| {p['stage']} | {p['step']:,} | {p['tokens']:,} | {p.get('seq_len', '-')} | {p.get('phase', '-')} "
+                 f"| {p['loss']:.3f} | {p['val_ppl']:.1f} | {ret} |")
+    return L
+
+
+def _sweep(sw: dict | None) -> list[str]:
+    """The width sweep (experiments/joint_pretraining/sweep.py): each width from scratch, same tokens."""
+    if not sw:
+        return []
+    L = ["", "### Scaling sweep", "",
+         f"The shipped config at {len(sw['rows'])} widths (hidden size W; moe_intermediate, q_lora and o_lora "
+         f"ranks W / 2; depth, heads, KV geometry, experts and Engram tables as shipped), each trained from "
+         f"scratch on the first stage's mixture for {sw['steps']} steps of {sw['batch_tokens']:,} tokens "
+         f"(its own warm-up and cosine decay), one after another on {sw['threads']} threads of this machine. "
+         f"Training loss at equal time: each run's mean over its last 10 logged steps by "
+         f"{sw['equal_time_s']:.0f} s, when the fastest run ended.", "",
+         "| width | parameters | active per token | tokens | tokens/s | training time | validation perplexity (256) "
+         f"| training loss at {sw['equal_time_s']:.0f} s |", "|---|---|---|---|---|---|---|---|"]
+    for r in sw["rows"]:
+        L.append(f"| {r['width']} | {r['params']['total'] / 1e6:.1f}M | {r['params']['active_decode'] / 1e6:.1f}M "
+                 f"| {r['tokens']:,} | {r['tokens_per_s']:.0f} | {r['train_s'] / 60:.1f} min | {r['val_ppl']:.1f} "
+                 f"| {r['train_loss_at_fastest_s']:.3f} |")
+    if sw.get("conclusion"):
+        L += ["", sw["conclusion"]]
+    if sw.get("command"):
+        L += ["", f"Reproduce: `{sw['command']}`"]
     return L
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cedlm.config import ModelConfig
 from cedlm.config.params import param_counts
-from cedlm.train.card_stages import chat_stage, component_stages, joint_pretraining, val
+from cedlm.train.card_stages import TABLED, chat_stage, component_stages, joint_pretraining, val
 
 # cedlm's own sampling defaults (cedlm.engine.SamplingParams: temperature 1, top_p 1, top_k off), so
 # transformers' generate() and vLLM (which read this file) sample as cedlm does. A request without
@@ -205,7 +205,7 @@ def model_card(cfg: ModelConfig, tokenizer=None, summary: dict | None = None,
     recorded = {k: v for k, v in summary.items() if k != "commands"}
     if recorded:
         L += ["", "Every value recorded in summary.json:", "", "| key | value |", "|---|---|",
-              *[f"| `{k}` | {val(v)} |" for k, v in recorded.items()]]
+              *[f"| `{k}` | {TABLED[k] if k in TABLED else val(v)} |" for k, v in recorded.items()]]
     default_corpus = _is_default_corpus(args)
     L += [
         "", "## Licenses", "",

@@ -2,6 +2,7 @@
 and the evaluations, with a summary.json the model card is generated from.
 
     .venv/bin/python experiments/joint_pretraining/assemble.py experiments/joint_pretraining/ship.json OUT_DIR
+    .venv/bin/python experiments/joint_pretraining/assemble.py ship.json OUT_DIR --card-only   # docs keys only
 
 The spec (`ship.json`) names, relative to the repository root:
     stages    the joint run's stages in order: {"stage", "run" (a `cedlm train pretrain` run dir),
@@ -15,6 +16,10 @@ The spec (`ship.json`) names, relative to the repository root:
     heldout   the held-out English file of `heldout_ppl.json`
     why       per target, why it was missed (prose, only used for missed targets)
     machine, notes, commands, curves   copied into summary.json (notes: bullets under the targets)
+    curve_points   the run's curves (`curves.py`'s JSONL): its validation steps go into the card
+    sweep     {"json": the width sweep's output (`sweep.py`), "conclusion", "command"}: into the card
+    dspark_bench   (optional) a later `cedlm bench --only dspark` JSON on the shipped model: its
+              figures replace those of `evals`' run
 
 The drafter's and the vision tower's exports must carry the text weights of `text` unchanged (checked
 tensor by tensor): they were trained against that target. The directory is written atomically; then
@@ -139,27 +144,88 @@ def summary(spec: dict, root: Path) -> dict:
     dspark = root / spec["dspark"]
     s.update(_json(dspark / "summary.json"))
     if (ev / "bench" / "dspark.json").exists():            # `cedlm bench --only dspark` on the drafter's export
-        b = _json(ev / "bench" / "dspark.json")
-        row = next(r for r in b["rows"] if r["batch"] == 1 and r["config"] == "dspark_block")
-        s["dspark_tokens_per_forward"] = row["tokens_per_forward"]
-        s["dspark_acceptance_by_position"] = [round(a, 4) for a in row["acceptance_by_position"]]
-        s["dspark_speedup_batch1"] = round(row["speedup"], 3)
+        s.update(dspark_keys(_json(ev / "bench" / "dspark.json")))
     vis = _json(root / spec["vision"] / "eval.json")
     s.update({f"vision_{k}" if not k.startswith("vision_") else k: v for k, v in vis.items()
               if k not in ("vision_config", "init", "threads")})
     s["joint_targets"] = targets(s, spec.get("why", {}))
-    s["joint_notes"] = spec.get("notes", [])
-    s["joint_curves"] = spec.get("curves")
-    s["commands"] = spec.get("commands", [])
+    s.update(doc_keys(spec, root))
     return s
 
 
+def dspark_keys(b: dict) -> dict:
+    """The card's DSpark figures from a `cedlm bench --only dspark` JSON (batch 1, whole block)."""
+    row = next(r for r in b["rows"] if r["batch"] == 1 and r["config"] == "dspark_block" and "context" not in r)
+    d = {"dspark_tokens_per_forward": row["tokens_per_forward"],
+         "dspark_acceptance_by_position": [round(a, 4) for a in row["acceptance_by_position"]],
+         "dspark_speedup_batch1": round(row["speedup"], 3)}
+    b8 = [r for r in b["rows"] if r["batch"] == 8 and r["config"] == "dspark_block"]
+    if b8:
+        d["dspark_speedup_batch8"] = round(b8[0]["speedup"], 3)
+    return d
+
+
+def curve_points(path: Path) -> list[dict]:
+    """The validation steps of the run's curves (`curves.py`'s JSONL), compact, for the card."""
+    out = []
+    for line in path.read_text("utf-8").splitlines():
+        r = json.loads(line) if line.strip() else {}
+        if "val_ppl" not in r:
+            continue
+        p = {"stage": r["stage"] + 1, "step": r["global_step"], "tokens": r["global_tokens"],
+             "seq_len": r.get("seq_len"), "phase": r.get("phase"), "loss": round(r["loss"], 4),
+             "val_ppl": round(r["val_ppl"], 2)}
+        if r.get("val_retrieval_acc") is not None:
+            p.update(retrieval_acc=round(r["val_retrieval_acc"], 4),
+                     retrieval_exact=round(r["val_retrieval_exact"], 4), retrieval_len=r["val_retrieval_len"])
+        out.append(p)
+    return out
+
+
+def doc_keys(spec: dict, root: Path) -> dict:
+    """The summary keys that come from the spec and the repository's docs, not from the run dirs: the
+    notes, the curves (plot and validation points), the width sweep, the commands. `--card-only`
+    refreshes just these (and the targets' reasons) in a shipped directory."""
+    d = {"joint_notes": spec.get("notes", []), "joint_curves": spec.get("curves"),
+         "commands": spec.get("commands", [])}
+    if spec.get("curve_points"):
+        d["joint_curve_points"] = curve_points(root / spec["curve_points"])
+    if spec.get("dspark_bench"):           # a later run of the DSpark figure on the shipped model
+        d.update(dspark_keys(_json(root / spec["dspark_bench"])))
+    if spec.get("sweep"):
+        sw = spec["sweep"]
+        d["joint_sweep"] = {**_json(root / sw["json"]), "conclusion": sw.get("conclusion"),
+                            "command": sw.get("command")}
+    return d
+
+
+def card_only(spec: dict, root: Path, out: Path) -> int:
+    """Refresh a shipped directory's summary.json keys from the spec and docs (`doc_keys`, the missed
+    targets' reasons) and regenerate its card files; the weights and configs are left as they are."""
+    from cedlm.util import atomic_write_text
+    s = _json(out / "summary.json")
+    s.update(doc_keys(spec, root))
+    why = spec.get("why", {})
+    for t in s.get("joint_targets", []):
+        if not t["met"]:
+            t["why"] = why.get(t["id"], "")
+    atomic_write_text(out / "summary.json", json.dumps(s, indent=2) + "\n")
+    for name, body in expected_files(out).items():
+        atomic_write_text(out / name, body)
+    print(f"refreshed {out}/summary.json and its card files (weights unchanged)")
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    only = "--card-only" in argv
+    argv = [a for a in argv if a != "--card-only"]
     if len(argv) != 2:
-        print("usage: assemble.py SHIP_JSON OUT_DIR", file=sys.stderr)
+        print("usage: assemble.py SHIP_JSON OUT_DIR [--card-only]", file=sys.stderr)
         return 2
     root = Path.cwd()
     spec = _json(Path(argv[0]))
+    if only:
+        return card_only(spec, root, Path(argv[1]))
     text, dspark = root / spec["text"], root / spec["dspark"] / "export"
     vision = root / spec["vision"] / "export"
     _same_text_weights(text, dspark)
