@@ -160,6 +160,9 @@ def test_quick_smoke(tmp_path, capsys):
         if name == "dspark":                 # the shipped drafter (cedlm/assets/model/mtp.safetensors)
             assert not res.get("skipped"), res.get("skipped")
             assert res["rows"], res
+            long = [r for r in res["rows"] if "context" in r]       # the long-context rows, batch 1
+            assert {r["config"] for r in long} == {"plain", "dspark_block", "dspark_scheduled"}, long
+            assert all(r["identical"] for r in long) and "contexts" in res["targets"], res["targets"]
         if name == "step_ops":               # compiled for real, not fallen back to the static step
             assert res["config"]["decode_step"] == "compiled" and res["compile_s"], res["config"]
     assert (out / "BENCHMARKS.md").exists()

@@ -426,3 +426,45 @@ def test_model_card_joint_pretraining_section():
     assert '| `joint_sweep` | (the "Scaling sweep" table above) |' in card       # not dumped as JSON again
     assert "55 steps of 8 x 256" not in card and "sequences of at most 4,096 tokens" in card
     assert "## Joint pretraining" not in model_card(cfg, summary={"preset": "tiny"})
+
+
+def _experiment(name: str):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / "joint_pretraining" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_shipped_card_matches_the_joint_spec_and_docs(tmp_path, monkeypatch):
+    """`assemble.py --card-only` on a copy of the shipped directory changes nothing: the shipped
+    summary's curves, sweep, notes, commands, DSpark figures and reasons are those of ship.json and
+    docs/joint_pretraining (edit those, then refresh the directory with it)."""
+    import shutil
+    out = tmp_path / "model"
+    out.mkdir()
+    for f in MODEL_DIR.iterdir():
+        (out / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy(f, out / f.name)
+    monkeypatch.chdir(ROOT)
+    assemble = _experiment("assemble")
+    assert assemble.main(["experiments/joint_pretraining/ship.json", str(out), "--card-only"]) == 0
+    for name in ("summary.json", "README.md", "config.json", "generation_config.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (MODEL_DIR / name).read_bytes(), name
+    s = json.loads((MODEL_DIR / "summary.json").read_text("utf-8"))
+    assert s["joint_sweep"]["rows"] and s["joint_curve_points"][-1]["tokens"] == s["tokens"]
+
+
+def test_sweep_widths_keep_the_shipped_shape_but_the_width(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    sweep = _experiment("sweep")
+    base = json.loads((ROOT / "experiments/joint_pretraining/config.json").read_text())["text_config"]
+    tc = sweep.width_config(192)["text_config"]
+    assert (tc["hidden_size"], tc["moe_intermediate_size"], tc["q_lora_rank"], tc["o_lora_rank"]) == (192, 96, 96, 96)
+    assert {k: v for k, v in tc.items() if k not in ("hidden_size", "moe_intermediate_size", "q_lora_rank",
+                                                      "o_lora_rank")} == \
+        {k: v for k, v in base.items() if k not in ("hidden_size", "moe_intermediate_size", "q_lora_rank", "o_lora_rank")}
+    with pytest.raises(ValueError, match="--widths: 129"):
+        sweep.width_config(129)
+    cmd = sweep.command(Path("runs/sweep/w192/c.json"), Path("runs/sweep/w192"), 60, 2)
+    assert cmd[1:3] == ["train", "pretrain"] and "experiments/joint_pretraining/mixture.json" in cmd
+    assert cmd[cmd.index("--steps") + 1] == "60" and cmd[cmd.index("--dense-steps") + 1] == "60"

@@ -13,10 +13,15 @@ prefill excluded; decode speed = tokens emitted by those steps / that time. Ever
 compared token for token with the plain one. Tokens per target forward = emitted tokens /
 verification forwards (one per sequence per step); acceptance by position = accepted / verified
 drafts at each block position. The model, its drafter and the engines live on the run's device
-(`--device`; a GPU is synchronised around each timed step).
+(`--device`; a GPU is synchronised around each timed step). Before anything is timed, every
+configuration runs once per batch size (and per long context) for a few tokens: a model's first
+decode compiles or loads its decode step's graph, which timed would fall on one configuration.
+Then batch 1 at long contexts (512 to 32,768 tokens; 256 with --quick): two prompts of joined
+held-out text per context (one at 32,768), each configuration on each, the order rotated.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -88,6 +93,16 @@ def _run(ctx, model, tok, prompts, max_tokens: int, spec) -> dict:
             "stats": e.speculator.stats if e.speculator is not None else None}
 
 
+def warm_up(ctx, model, tok, prompts, batches, configs) -> None:
+    """Every configuration once per batch size, untimed, a few tokens each: the first decode of a
+    model compiles or loads its step's graph for that batch shape (seconds to minutes), and the
+    first verification warms its own paths; timed, that cost would fall on whichever
+    configuration ran first and skew every ratio against it."""
+    for batch in batches:
+        for _, spec in configs:
+            _run(ctx, model, tok, prompts[:batch], 4, spec)
+
+
 def _merge_stats(a, b):
     if a is None:
         return b
@@ -112,6 +127,7 @@ def model_dir(chosen: Path | None) -> Path:
 def run(ctx: Ctx) -> dict:
     from cedlm.checkpoint import load_model
     path = model_dir(getattr(ctx, "dspark_model", None))
+    shown = os.path.relpath(path) if Path(path).resolve().is_relative_to(Path.cwd()) else str(path)
     if not (path / "mtp.safetensors").exists():
         return {"skipped": f"no trained drafter at {path} (mtp.safetensors): run `cedlm train dspark "
                            f"--export {path}` or pass --dspark-model DIR",
@@ -125,6 +141,7 @@ def run(ctx: Ctx) -> dict:
     configs = [("plain", None), ("dspark_block", SpeculativeConfig(threshold=0.0)),
                ("dspark_scheduled", SpeculativeConfig(threshold=THRESHOLD))]
     rows, by = [], {}
+    warm_up(ctx, model, tok, prompts, ctx.size([1, 8], [1, 2]), configs)
     for batch in ctx.size([1, 8], [1, 2]):
         # Interleaved against load drift: every group of `batch` prompts runs all configurations
         # back to back, in an order rotated per round; a single group runs two rounds.
@@ -164,10 +181,12 @@ def run(ctx: Ctx) -> dict:
                     + (f", {row['tokens_per_forward']:.2f} tokens/forward" if spec else ""))
             rows.append(row)
             by[(batch, name)] = row
+    ctx_rows = _context_rows(ctx, model, tok, docs, new, configs)
+    rows += ctx_rows
     b1 = by[(1, "dspark_block")]
     best1 = max((by[(1, n)] for n in ("dspark_block", "dspark_scheduled")), key=lambda r: r["speedup"])
     out = {
-        "config": {"model": str(path), "device": str(ctx.device), "prompt_source": source,
+        "config": {"model": shown, "device": str(ctx.device), "prompt_source": source,
                    "prompts": n_prompts,
                    "prompt_tokens": plen, "new_tokens": new,
                    "greedy": True, "threshold": THRESHOLD,
@@ -187,8 +206,8 @@ def run(ctx: Ctx) -> dict:
                   "interleaved (each prompt group runs all three back to back, order rotated); "
                   "median over rounds (prompts at batch 1, two rounds at batch 8): " + ", ".join(
                       f"batch {r['batch']} {r['config']} {r['speedup_median']:.2f}x" for r in rows
-                      if r["config"] != "plain"),
-                  f"target: {path}; drafter {model.cfg.num_nextn_predict_layers} layer(s), "
+                      if "speedup_median" in r and r["config"] != "plain"),
+                  f"target: {shown}; drafter {model.cfg.num_nextn_predict_layers} layer(s), "
                   f"taps {model.cfg.dspark_target_layer_ids}, block {model.cfg.dspark_block_size}",
                   f"drafting (one block: parallel forward + {model.cfg.dspark_block_size} Markov "
                   f"steps) costs {b1['draft_ms_per_step']:.0f} ms per step at batch 1, "
@@ -197,19 +216,82 @@ def run(ctx: Ctx) -> dict:
                   f"per step ({b1['verify_seconds'] / max(b1['steps'], 1) * by[(1, 'plain')]['tokens_per_s']:.2f} "
                   f"plain decode steps)"],
     }
+    if ctx_rows:
+        best_at = {c: max((r for r in ctx_rows if r["context"] == c and r["config"] != "plain"),
+                          key=lambda r: r["speedup"]) for c in sorted({r["context"] for r in ctx_rows})}
+        worst = min(best_at.values(), key=lambda r: r["speedup"])
+        out["config"]["contexts"] = sorted(best_at)
+        out["targets"]["contexts"] = target(
+            "decode speed-up vs plain at every long context, batch 1 (best configuration)", ">=", 2.0,
+            worst["speedup"], note=f"worst at {worst['context']:,} tokens, {worst['config']}")
+        out["notes"].append("by context (batch 1, prompts of joined held-out text, best configuration): "
+                            + ", ".join(f"{c:,}: {r['speedup']:.2f}x ({r['config']})" for c, r in best_at.items())
+                            + f"; at {worst['context']:,} tokens verification takes "
+                            f"{1e3 * worst['verify_seconds'] / max(worst['steps'], 1):.0f} ms per step and "
+                            f"drafting {1e3 * worst['draft_seconds'] / max(worst['steps'], 1):.0f} ms")
     return out
+
+
+def _long_prompts(tok, docs: list[str], length: int, n: int) -> list[list[int]]:
+    """n prompts of `length` tokens: consecutive stretches of the held-out documents, joined."""
+    ids: list[int] = []
+    for doc in docs:
+        ids += tok.encode(doc, add_bos=not ids)
+        if len(ids) >= n * length:
+            break
+    reps = -(-n * length // max(len(ids), 1))          # a corpus shorter than n x length repeats
+    ids = (ids * reps)[: n * length]
+    return [ids[i * length: (i + 1) * length] for i in range(n)]
+
+
+def _context_rows(ctx, model, tok, docs, new: int, configs) -> list[dict]:
+    """Batch 1 at long contexts: per context, two prompts (rounds; one at 32k), every configuration
+    back to back in a rotated order; speed-up = total tokens / total decode time against plain."""
+    rows = []
+    for length in ctx.size([512, 2048, 8192, 32768], [256]):
+        # two prompts (rounds) up to 8k; one at 32k, where each configuration's prefill takes longer.
+        # A warm-up at each context: a longer pool can make torch.compile specialise the step's graph
+        # again (seen once: the first plain run at 512 tokens at 8 tok/s against 82 after it)
+        prompts = _long_prompts(tok, docs, length, 2 if length <= 8192 else 1)
+        warm_up(ctx, model, tok, prompts, [1], configs)
+        acc = {name: {"s": 0.0, "tokens": 0, "outputs": [], "stats": None} for name, _ in configs}
+        for k, p in enumerate(prompts):
+            for name, spec in configs[k % 3:] + configs[: k % 3]:
+                r = _run(ctx, model, tok, [p], new, spec)
+                a = acc[name]
+                a["s"] += r["s"]
+                a["tokens"] += r["tokens"]
+                a["outputs"] += r["outputs"]
+                a["stats"] = _merge_stats(a["stats"], r["stats"]) if r["stats"] is not None else a["stats"]
+        base = acc["plain"]["tokens"] / acc["plain"]["s"]
+        for name, spec in configs:
+            a = acc[name]
+            row = {"context": length, "batch": 1, "config": name, "decode_s": a["s"],
+                   "decode_tokens": a["tokens"], "tokens_per_s": a["tokens"] / a["s"],
+                   "speedup": a["tokens"] / a["s"] / base, "rounds": len(prompts),
+                   "identical": a["outputs"] == acc["plain"]["outputs"]}
+            if a["stats"] is not None:
+                d = a["stats"].as_dict()
+                row.update(tokens_per_forward=d["spec_tokens_per_forward"], steps=d["spec_steps"],
+                           verify_seconds=d["spec_verify_seconds"], draft_seconds=d["spec_draft_seconds"],
+                           draft_ms_per_step=1e3 * d["spec_draft_seconds"] / max(d["spec_steps"], 1))
+            ctx.log(f"  context {length:,} {name}: {row['tokens_per_s']:.2f} tok/s, speed-up "
+                    f"{row['speedup']:.2f}x" + (f", {row['tokens_per_forward']:.2f} tokens/forward" if spec else ""))
+            rows.append(row)
+    return rows
 
 
 def table(res: dict) -> str:
     body = []
     for r in res["rows"]:
         acc = r.get("acceptance_by_position")
-        body.append([r["batch"], r["config"], f"{r['tokens_per_s']:.2f}", f"{r['speedup']:.2f}x",
+        body.append([r["batch"], f"{r['context']:,}" if "context" in r else res["config"]["prompt_tokens"],
+                     r["config"], f"{r['tokens_per_s']:.2f}", f"{r['speedup']:.2f}x",
                      f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else "1",
                      " / ".join(f"{a:.2f}" for a in acc) if acc else "",
                      f"{r['draft_ms_per_step']:.0f}" if "draft_ms_per_step" in r else "",
                      "yes" if r["identical"] else "**no**"])
-    return md_table(["batch", "decoding", "tokens/s", "speed-up", "tokens / target forward",
+    return md_table(["batch", "context tokens", "decoding", "tokens/s", "speed-up", "tokens / target forward",
                      "acceptance by position", "draft ms / sequence-step", "output identical"], body)
 
 
@@ -224,6 +306,7 @@ def plot(res: dict, path) -> bool:
         acc = r["acceptance_by_position"]
         ax.bar([i + 1 + (j - (len(spec) - 1) / 2) * w for i in range(len(acc))], acc, width=w,
                label=f"batch {r['batch']}, {r['config'].replace('dspark_', '')}")
+    # (the long-context rows carry no per-position counts: their acceptance is the same drafter's)
     ax.set_xlabel("draft position in the block")
     ax.set_ylabel("accepted / verified drafts")
     ax.set_ylim(0, 1)
