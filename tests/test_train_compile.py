@@ -13,48 +13,74 @@ from cedlm.train.optim import clip_and_step, param_groups, update_moe_bias
 from cedlm.train.train import build_parser, resolve_args
 
 STEPS = 3
-LOSS_RTOL = 1e-4          # relative, per step (measured: about 1e-6 on this config)
-WEIGHT_ATOL = 1e-4        # after STEPS AdamW steps at lr 1e-3 (an update is ~1e-3 per step)
+LR = 1e-3
+# From the same weights, the first step's loss and gradients are what the graphs compute: compared
+# tightly (measured on an AMD EPYC: loss equal, gradients within 1.1e-5 of each tensor's largest).
+GRAD_ATOL = 1e-4          # relative to the largest |gradient| of the tensor
+# Later steps start from AdamW-updated weights, and AdamW normalises each gradient by its own
+# running size: an element whose gradient is rounding noise around 0 moves by about +-lr either
+# way. So after STEPS steps some elements differ by up to ~lr (measured on that CPU: at most
+# 1.2e-3, 683 of 601,316 elements beyond 1e-4; the Xeon the test was written on had none beyond)
+# and the losses by more than rounding (7.4e-5 relative at step 3). What is bounded then: every
+# element within the steps' largest possible movement, and nearly all within WEIGHT_ATOL.
+LOSS_RTOL = 1e-3
+WEIGHT_ATOL = 1e-4
+WEIGHT_FAR_FRACTION = 1e-2   # of all elements, at most this many beyond WEIGHT_ATOL (measured 1.1e-3)
 
 
 def _train(compile: bool, tmp_path, monkeypatch, backend: str = "inductor"):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch.manual_seed(0)
     model = CEDModel(ModelConfig.preset("tiny")).train()
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=LR, betas=(0.9, 0.95), eps=1e-8)
     loss_fn = training_loss(model, compile, backend)
     g = torch.Generator().manual_seed(1)
-    losses = []
+    losses, first_grads = [], None
     for _ in range(STEPS):
         x = torch.randint(0, model.cfg.vocab_size, (2, 33), generator=g)
         loss = loss_fn(x[:, :-1], x[:, 1:])
         loss.backward()
         drop_unrouted(model)
+        if first_grads is None:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         clip_and_step(opt, model.parameters(), 1.0)
         update_moe_bias(model, 1e-3)
         losses.append(loss.item())
-    return losses, model.state_dict()
+    return losses, model.state_dict(), first_grads
+
+
+def _check_same_training(eager, other) -> None:
+    (l_e, w_e, g_e), (l_o, w_o, g_o) = eager, other
+    assert l_o[0] == pytest.approx(l_e[0], rel=1e-6)
+    for name in set(g_e) | set(g_o):
+        if name not in g_e or name not in g_o:          # a gradient of zeros where the other has None
+            assert not (g_o.get(name, g_e.get(name))).any(), name
+            continue
+        scale = float(g_e[name].abs().max())
+        torch.testing.assert_close(g_o[name], g_e[name], atol=GRAD_ATOL * scale + 1e-12, rtol=0, msg=name)
+    assert l_o == pytest.approx(l_e, rel=LOSS_RTOL)
+    far = total = 0
+    for name, w in w_e.items():
+        d = (w_o[name].double() - w.double()).abs()
+        assert float(d.max()) <= 1.5 * STEPS * LR, name      # AdamW moves an element ~lr per step at most
+        far += int((d > WEIGHT_ATOL).sum())
+        total += d.numel()
+    assert far <= WEIGHT_FAR_FRACTION * total, (far, total)
 
 
 def test_traced_training_matches_eager(tmp_path, monkeypatch):
     """The captured graphs (dynamo + AOTAutograd: graph breaks, the cache's side effects, the
     backward), run by eager kernels: the quick check of what the compiled step computes."""
     torch._dynamo.reset()
-    eager, w_eager = _train(False, tmp_path, monkeypatch)
-    traced, w_traced = _train(True, tmp_path, monkeypatch, backend="aot_eager")
-    assert traced == pytest.approx(eager, rel=LOSS_RTOL)
-    for name, w in w_eager.items():
-        torch.testing.assert_close(w_traced[name], w, atol=WEIGHT_ATOL, rtol=0, msg=name)
+    eager = _train(False, tmp_path, monkeypatch)
+    _check_same_training(eager, _train(True, tmp_path, monkeypatch, backend="aot_eager"))
 
 
 @pytest.mark.slow       # inductor's C++ for every graph: 15 min on a loaded 2-core machine, cold cache
 def test_compiled_training_matches_eager(tmp_path, monkeypatch):
     torch._dynamo.reset()
-    eager, w_eager = _train(False, tmp_path, monkeypatch)
-    compiled, w_compiled = _train(True, tmp_path, monkeypatch)
-    assert compiled == pytest.approx(eager, rel=LOSS_RTOL)
-    for name, w in w_eager.items():
-        torch.testing.assert_close(w_compiled[name], w, atol=WEIGHT_ATOL, rtol=0, msg=name)
+    eager = _train(False, tmp_path, monkeypatch)
+    _check_same_training(eager, _train(True, tmp_path, monkeypatch))
 
 
 def test_compile_flag_parses(monkeypatch, capsys):
