@@ -103,6 +103,14 @@ def warm_up(ctx, model, tok, prompts, batches, configs) -> None:
             _run(ctx, model, tok, prompts[:batch], 4, spec)
 
 
+def _add(a: dict, r: dict) -> None:
+    """Accumulate one `_run` into a configuration's totals (time, tokens, outputs, counters)."""
+    a["s"] += r["s"]
+    a["tokens"] += r["tokens"]
+    a["outputs"] += r["outputs"]
+    a["stats"] = _merge_stats(a["stats"], r["stats"]) if r["stats"] is not None else a["stats"]
+
+
 def _merge_stats(a, b):
     if a is None:
         return b
@@ -153,11 +161,7 @@ def run(ctx: Ctx) -> dict:
             got = {}
             for name, spec in order:
                 got[name] = r = _run(ctx, model, tok, g, new, spec)
-                a = acc[name]
-                a["s"] += r["s"]
-                a["tokens"] += r["tokens"]
-                a["outputs"] += r["outputs"]
-                a["stats"] = _merge_stats(a["stats"], r["stats"]) if r["stats"] is not None else a["stats"]
+                _add(acc[name], r)
             for name, _ in configs:
                 acc[name]["ratio"].append((got[name]["tokens"] / got[name]["s"]) /
                                           (got["plain"]["tokens"] / got["plain"]["s"]))
@@ -258,11 +262,7 @@ def _context_rows(ctx, model, tok, docs, new: int, configs) -> list[dict]:
         for k, p in enumerate(prompts):
             for name, spec in configs[k % 3:] + configs[: k % 3]:
                 r = _run(ctx, model, tok, [p], new, spec)
-                a = acc[name]
-                a["s"] += r["s"]
-                a["tokens"] += r["tokens"]
-                a["outputs"] += r["outputs"]
-                a["stats"] = _merge_stats(a["stats"], r["stats"]) if r["stats"] is not None else a["stats"]
+                _add(acc[name], r)
         base = acc["plain"]["tokens"] / acc["plain"]["s"]
         for name, spec in configs:
             a = acc[name]

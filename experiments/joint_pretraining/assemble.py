@@ -114,10 +114,15 @@ def targets(s: dict, why: dict) -> list[dict]:
     if "dspark_tokens_per_forward" in s:
         out.append({"id": "dspark", "target": "DSpark tokens per target forward, batch 1", "goal": ">= 3",
                     "measured": f"{s['dspark_tokens_per_forward']:.2f}", "met": s["dspark_tokens_per_forward"] >= 3})
-    for t in out:
+    return with_reasons(out, why)
+
+
+def with_reasons(targets: list[dict], why: dict) -> list[dict]:
+    """Each missed target gets its reason from the spec's `why` (by id)."""
+    for t in targets:
         if not t["met"]:
             t["why"] = why.get(t["id"], "")
-    return out
+    return targets
 
 
 def summary(spec: dict, root: Path) -> dict:
@@ -205,10 +210,7 @@ def card_only(spec: dict, root: Path, out: Path) -> int:
     from cedlm.util import atomic_write_text
     s = _json(out / "summary.json")
     s.update(doc_keys(spec, root))
-    why = spec.get("why", {})
-    for t in s.get("joint_targets", []):
-        if not t["met"]:
-            t["why"] = why.get(t["id"], "")
+    with_reasons(s.get("joint_targets", []), spec.get("why", {}))
     atomic_write_text(out / "summary.json", json.dumps(s, indent=2) + "\n")
     for name, body in expected_files(out).items():
         atomic_write_text(out / name, body)
