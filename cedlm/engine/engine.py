@@ -69,8 +69,6 @@ class Engine:
         self.model, self.tokenizer = model.eval(), tokenizer
         # where everything the engine builds lives: the model's device (LLM put it there)
         self.device = model_device(model)
-        # DSpark speculative decoding (engine/speculative.py): None decodes one token per step.
-        self.speculator = DSparkSpeculator(model, speculative) if speculative is not None else None
         self.cfg = config or EngineConfig()
         layout = model.kv_layout
         self.block_tokens = layout.round_block_tokens(self.cfg.block_tokens)
@@ -87,6 +85,10 @@ class Engine:
         self.sampler = Sampler()
         # One token per sequence: the compiled static step, or the reference (compiled_step.py).
         self.decoder = CompiledDecode.of(model, self.cfg.decode_step, log=log.info)
+        # DSpark speculative decoding (engine/speculative.py): None decodes one token per step;
+        # its verify step runs in the decode step's mode
+        self.speculator = (DSparkSpeculator(model, speculative, self.decoder, log=log.info)
+                           if speculative is not None else None)
         self.requests: dict[str, Request] = {}
         self.runs: dict[str, SequenceRuntime] = {}   # request id -> the engine's objects for it
         self.peak: dict[str, int] = {}           # peak KV bytes in use, by kind
@@ -110,7 +112,11 @@ class Engine:
             tables.append(BlockTable(self.pool))
             return self.pool.rows(tables[-1])
         try:
-            return self.decoder.warm_up(batch_sizes, rows)
+            got = self.decoder.warm_up(batch_sizes, rows)
+            if self.speculator is not None and self.speculator.step is not None:
+                got.update({f"verify {g}": sec for g, sec in
+                            self.speculator.step.warm_up(batch_sizes, rows).items()})
+            return got
         except NoFreeBlocks:
             return {}
         finally:

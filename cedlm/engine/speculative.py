@@ -9,14 +9,18 @@ logprobs: their sampling distribution is the plain temperature / top-k / top-p o
    `threshold` (0 verifies the whole block), capped by what the request may still emit;
 2. the engine reserves the lookahead slots through the scheduler (`Scheduler.reserve_lookahead`;
    when the pool cannot hold them, `Proposal.without_drafts` verifies none: one plain token);
-3. `verify`: one target forward over [anchor, drafts...] for the batch (`rollback.verify`; rows
-   padded to the longest verified length, the padding is rolled back like a rejection);
+3. `verify`: one target forward over [anchor, drafts...] for the batch: the static verify step
+   (`verify_step.VerifyStep`, compiled like the decode step: the engine's `decode_step` mode;
+   it stores nothing, and the kept prefix is written back after acceptance), or, in mode
+   "eager" and wherever the decode step takes the reference path, `rollback.verify` (rows
+   padded to the longest verified length, the padding rolled back like a rejection);
 4. accept (`accept_greedy` / `accept_sampled`): greedy keeps drafts while they equal the target's
    argmax, then the target's token (the plain greedy output, up to float near-ties: the
    verification forward runs other GEMM shapes and MoE groupings than a one-token step, as
    batching does); sampled runs standard speculative rejection sampling, which leaves the output
    distribution that of the target (tests/test_speculative.py);
-5. roll back the rejected rows (`rollback.rollback`), write the drafter's context rows for the
+5. write back the kept rows (`VerifyStep.commit`) or roll back the rejected ones
+   (`rollback.rollback`), write the drafter's context rows for the
    kept positions, and return each sequence's kept tokens with their logprobs. The engine then
    advances the scheduler's counts (which releases the unused slots) and emits the tokens
    through the stop checker one by one.
@@ -34,6 +38,7 @@ from cedlm.engine.loader import model_device
 from cedlm.engine.sampler import apply_top_k_top_p
 from cedlm.model import dspark
 from cedlm.model.rollback import capture, mark, rollback, verify
+from cedlm.model.verify_step import VerifyStep
 
 METHODS = ("dspark",)
 
@@ -150,7 +155,9 @@ class SpecStats:
 
 
 class DSparkSpeculator:
-    def __init__(self, model, config: SpeculativeConfig | None = None):
+    def __init__(self, model, config: SpeculativeConfig | None = None, decoder=None, log=None):
+        """decoder: the engine's `CompiledDecode`; its mode decides the verify step's (None or
+        "eager": `rollback.verify` always)."""
         if not hasattr(model, "mtp"):
             raise ValueError("speculative: this model has no DSpark drafter (no mtp.* weights; "
                              "a model directory ships them in mtp.safetensors, made by "
@@ -160,6 +167,8 @@ class DSparkSpeculator:
         N = model.cfg.dspark_block_size
         self.k_max = min(self.cfg.num_draft_tokens or N, N, model.cfg.sliding_window - 1)
         self.stats = SpecStats(verified_at=[0] * N, accepted_at=[0] * N)
+        self.step = (VerifyStep.of(decoder, 1 + self.k_max, log=log)
+                     if decoder is not None and decoder.mode != "eager" else None)
 
     # ---------------------------------------------------------------- drafter context
     def new_draft_state(self):
@@ -248,14 +257,21 @@ class DSparkSpeculator:
     def verify(self, prop: Proposal, reqs, runs) -> list[list[tuple[int, float]]]:
         """One target forward over [anchor, drafts...] for the batch; per sequence the kept
         tokens (accepted drafts, then the target's own token) with their raw logprobs. The
-        states are rolled back to the kept positions and the drafter's context written."""
+        states end as if only the kept tokens had been appended, and the drafter's context is
+        written."""
         model, st, k = self.model, self.stats, prop.k
         T = 1 + prop.num_lookahead
         t0 = time.perf_counter()
         ids = torch.cat((prop.anchors[:, None], prop.drafts[:, : T - 1]), 1)
         states = [u.state for u in runs]
-        marks = [mark(s, T) for s in states]
-        logits, cap = verify(model, ids, states, taps=True)
+        static = self.step is not None and self.step.usable
+        if static:                          # nothing stored yet: the kept rows written back after
+            logits, taps, out = self.step(ids.cpu(), states)
+            logits, taps = logits[:, :T], taps[:, :T]
+        else:                               # appended, the rejected rows rolled back after
+            marks = [mark(s, T) for s in states]
+            logits, cap = verify(model, ids, states, taps=True)
+            taps = cap.taps
         st.verify_s += time.perf_counter() - t0
         kept, emitted = [], []
         for b, r in enumerate(reqs):
@@ -274,10 +290,14 @@ class DSparkSpeculator:
             for i in range(k[b]):
                 st.verified_at[i] += 1
                 st.accepted_at[i] += int(i < n_acc)
-            rollback(model, states[b], marks[b], 1 + n_acc, cap, b)
             kept.append(1 + n_acc)
             emitted.append(toks)
-        self.write_context([u.draft for u in runs], cap.taps, prop.positions.tolist(), kept)
+        if static:
+            self.step.commit(ids.tolist(), states, out, kept)
+        else:
+            for b in range(len(states)):
+                rollback(model, states[b], marks[b], kept[b], cap, b)
+        self.write_context([u.draft for u in runs], taps, prop.positions.tolist(), kept)
         lsm = torch.log_softmax(logits.float(), -1)
         out = []
         for b, toks in enumerate(emitted):

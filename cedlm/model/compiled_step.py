@@ -254,9 +254,11 @@ class CompiledDecode:
         return self._inputs(ids, states)[0]
 
     def _inputs(self, ids: torch.Tensor, states: list[SequenceState]):
-        """(the step's tensors, whether the pools are copies made for this call)."""
+        """(the step's tensors, whether the pools are copies made for this call). ids [B] or
+        [B, T] (the verify step: room for T new entries past the stored ones)."""
         cfg, dev = self.model.cfg, self.device
         B = len(states)
+        T = ids.shape[1] if ids.dim() == 2 else 1
         ids = ids.to(dev, non_blocking=True)
         pos = torch.tensor([st.num_tokens for st in states], dtype=torch.int64, device="cpu")
         h = max(cfg.engram_max_ngram_size - 1, 0) if cfg.engram_layer_ids else 0
@@ -274,8 +276,8 @@ class CompiledDecode:
         if self._one_contiguous(states):
             st = states[0]                   # the entry this token may complete needs a row,
             for rows in (*st.kv.values(), *st.index.values()):    # and the top-k a full k
-                rows.reserve(max(rows.n + 1, self.model.cfg.index_topk))
-        pools, table, copied = self._pools(states)
+                rows.reserve(max(rows.n + T, self.model.cfg.index_topk))
+        pools, table, copied = self._pools(states, T)
         counts = {s: torch.tensor([st.kv[s].n for st in states], dtype=torch.int64, device="cpu")
                   for s in self.shapes.sources}
         pending = {}
@@ -303,7 +305,7 @@ class CompiledDecode:
                 torch._dynamo.mark_dynamic(t, d)
         return (ids, pos, hist, rings, ring_pos, pools, table, counts, pending, engram), copied
 
-    def _pools(self, states):
+    def _pools(self, states, T: int = 1):
         """Each row kind's pool and one block table for the batch (spare column at the end), and
         whether the pools are copies made for this call: paged rows of one pool as they are; one
         sequence's contiguous rows as a one-block pool; contiguous rows of several sequences
@@ -334,11 +336,11 @@ class CompiledDecode:
                 pools[k] = pool
             tables = [[b] for b in range(len(states))]
             pad = list(range(len(states)))
-        # a spare column (the entry this token may complete), and at least index_topk slots in
+        # spare columns (the entries the T tokens may complete), and at least index_topk slots in
         # every row kind: the top-k is then always k = index_topk wide (a k that followed the
         # table width would be a constant torch.compile has to specialise on)
         per = min(p.shape[1] for p in pools.values())
-        nb = max(max(len(t) for t in tables) + 1, -(-self.model.cfg.index_topk // per))
+        nb = max(max(len(t) for t in tables) + -(-T // per), -(-self.model.cfg.index_topk // per))
         table = torch.tensor([list(t) + [pad[b]] * (nb - len(t)) for b, t in enumerate(tables)],
                              dtype=torch.int64, device="cpu").to(dev, non_blocking=True)
         if self.compile:                     # one graph for every context length
@@ -348,29 +350,42 @@ class CompiledDecode:
                 torch._dynamo.mark_dynamic(p, 1)
         return pools, table, copied
 
-    def write_back(self, ids, states: list[SequenceState], out: dict) -> None:
+    def write_back(self, ids, states: list[SequenceState], out: dict, keep: list[int] | None = None) -> None:
         """Put what the step returns into the states (on whatever device each lives): one window
         row per layer, the entries a completed group made, the pending rows, the token (`ids`:
-        the token ids, a list or a host tensor)."""
-        win = out["window"]                                           # [L, B, wb]
-        S = states[0].window_all.shape[1]
+        the token ids, a list or a host tensor). For the verify step (ids [B, T]): the first
+        keep[b] of sequence b's T rows (None: all), as if only they had been appended."""
         toks = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        rows = [t if isinstance(t, list) else [t] for t in toks]
+        keep = [len(r) for r in rows] if keep is None else keep
+        win = out["window"]                                   # [L, B, wb] or [L, B, T, wb]
+        if win.dim() == 3:
+            win = win.unsqueeze(2)
+        S = states[0].window_all.shape[1]
         # the pending rows: one copy of the batch's per source, each state keeping its rows (a
         # view of it; pending rows are replaced, never written in place)
         dev0 = states[0].window_all.device
         pend = {s: (pk.to(dev0, copy=True), pg.to(dev0, copy=True)) for s, (pk, pg) in out["pending"].items()}
         for b, st in enumerate(states):
-            p, sdev = st.num_tokens, st.window_all.device
-            st.window_all[:, p % S] = win[:, b]
-            st.window_pos_all[:, p % S] = p
+            p, n, sdev = st.num_tokens, keep[b], st.window_all.device
+            if n == 1:
+                st.window_all[:, p % S] = win[:, b, 0]
+                st.window_pos_all[:, p % S] = p
+            elif n:
+                slots = torch.arange(p, p + n) % S
+                st.window_all[:, slots] = win[:, b, :n].to(sdev)
+                st.window_pos_all[:, slots] = torch.arange(p, p + n, device=sdev)
             for s, (main, idx, _) in out["entries"].items():
                 r = self.shapes.ratio[s]
-                if (p + 1) % r == 0:                                  # this token completed a group
-                    st.kv[s].append(main[b: b + 1])
+                made = (p + n) // r - p // r                          # groups the rows completed
+                if made:
+                    st.kv[s].append(main[b, :made])
                     if idx is not None:
-                        st.index[s].append(idx[b: b + 1])
+                        st.index[s].append(idx[b, :made])
             for s, (pk, pg) in pend.items():
-                n = (p + 1) % self.shapes.ratio[s]
-                st.pending[s] = (pk[b, :n].to(sdev), pg[b, :n].to(sdev))
-            st.token_ids.append(toks[b])
-            st.num_tokens = p + 1
+                # slot i of the step's pending rows holds position p - p % r + i
+                r = self.shapes.ratio[s]
+                end = p % r + n
+                st.pending[s] = (pk[b, end - end % r: end].to(sdev), pg[b, end - end % r: end].to(sdev))
+            st.token_ids.extend(rows[b][:n])
+            st.num_tokens = p + n

@@ -72,9 +72,11 @@ def _all_rows(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 class StepShapes:
     """What the step's shapes depend on, per model: roles, sources, formats (read once), and
-    whether this call's rows are one contiguous buffer (`flat`; a graph of its own)."""
+    whether this call's rows are one contiguous buffer (`flat`; a graph of its own), and whether
+    it returns the DSpark taps (`taps`: the verify step's)."""
 
     flat = False
+    taps = False
 
     def __init__(self, model):
         cfg = model.cfg
@@ -92,9 +94,13 @@ class StepShapes:
 def decode_step(shapes: StepShapes, ids, pos, hist, rings, ring_pos, pools, table, counts, pending,
                 engram=None):
     """One token per sequence (`shapes.flat`: one sequence whose rows are one contiguous buffer,
-    the pool [1, capacity, width], read without the table).
+    the pool [1, capacity, width], read without the table). With ids [B, T] (T >= 2), the DSpark
+    verify step: T tokens per sequence at positions pos .. pos + T - 1, each row attending to the
+    cache as it was plus the block's earlier rows; nothing is stored, so the host keeps any prefix
+    of the block (`verify_step.py`); the shapes of `out` then carry a T (or G: the entries the
+    block may complete) dimension, see `verify_step.VerifyStep.commit`.
 
-    ids, pos [B] int64; hist [B, h] the h previous token ids (Engram; pad id before position 0);
+    ids [B] (or [B, T]), pos [B] int64 (the first position); hist [B, h] the h previous token ids (Engram; pad id before position 0);
     rings [L, B, S, wb] uint8 and ring_pos [L, B, S] int64 (the windows before this step);
     pools: {("kv"|"idx", src): [nblocks, per_block, width] uint8}; table [B, nb] int64 block ids
     (a spare column at the end); counts {src: [B] int64 entries stored}; pending {src: (kv, gate)
@@ -107,17 +113,22 @@ def decode_step(shapes: StepShapes, ids, pos, hist, rings, ring_pos, pools, tabl
     """
     model, cfg = shapes.model, shapes.cfg
     B = ids.shape[0]
-    p1 = pos.view(B, 1)
+    ids = ids.view(B, -1)
+    T = ids.shape[1]
+    p1 = pos.view(B, 1) + torch.arange(T, device=pos.device)                     # [B, T]
     out = {"window": [], "entries": {}, "pending": {}, "topk": {}, "experts": {}}
-    image = None if model.image_token_id is None else (ids == model.image_token_id).view(B, 1)
+    taps = {}
+    image = None if model.image_token_id is None else (ids == model.image_token_id)
     comp: dict[int, tuple] = {}          # src -> (n visible [B], n stored [B], new kv bytes, emit)
     pool_sel = None
 
-    x = model.embed(ids).view(B, 1, 1, -1).expand(-1, -1, cfg.hc_mult, -1)
+    x = model.embed(ids).view(B, T, 1, -1).expand(-1, -1, cfg.hc_mult, -1)
     pre = first_pre(x)
     if engram is None:
         engram = engram_rows(model, ids, hist) if cfg.engram_layer_ids else {}
     for l, layer in enumerate(model.layers):
+        if shapes.taps and l in cfg.dspark_target_layer_ids:    # `rollback.capture`'s taps
+            taps[l] = x.float().mean(2)
         if hasattr(layer, "engram"):
             x = layer.engram(x, engram[l], None if image is None else image)
         pre_a, post, comb = layer.mixes(x, "attn")
@@ -129,16 +140,19 @@ def decode_step(shapes: StepShapes, ids, pos, hist, rings, ring_pos, pools, tabl
         f = _moe(layer.ffn, layer.ffn_norm(collapse(x, pre_a)), image, out, l)
         x = expand(x, f, post, comb)
         pre = pre_f
-    logits = model.head(model.norm(collapse(x, pre))).float()[:, 0]
+    logits = model.head(model.norm(collapse(x, pre))).float()
     out["window"] = torch.stack(out["window"])
-    return logits, out
+    if shapes.taps:                                                # [B, T, taps * D]
+        out["taps"] = torch.cat([taps[t] for t in cfg.dspark_target_layer_ids], -1)
+    return (logits[:, 0] if T == 1 else logits), out
 
 
 def engram_rows(model, ids, hist):
-    """{Engram layer: [B, 1, width] its looked-up rows} for token ids [B] after history [B, h]."""
+    """{Engram layer: [B, T, width] its looked-up rows} for token ids [B] (T = 1) or [B, T]
+    after history [B, h]."""
     cfg = model.cfg
     h = hist.shape[1]
-    full = torch.cat((hist, ids.view(-1, 1)), 1)
+    full = torch.cat((hist, ids.view(hist.shape[0], -1)), 1)
     cids = model.engram_token_map[full]
     dead = model.image_mask(full)
     pad = model.engram_token_map[cfg.engram_pad_token_id]
@@ -151,9 +165,10 @@ def engram_rows(model, ids, hist):
 
 
 def _attention(shapes, attn, x, p1, ring, ring_pos, pools, table, counts, pending, comp, pool_sel, out):
-    """One layer's attention for the step (see `Attention.forward`); returns ([B, 1, D], pool)."""
+    """One layer's attention for the step (see `Attention.forward`); returns ([B, T, D], pool).
+    p1 [B, T]: the rows' positions."""
     cfg = shapes.cfg
-    B = x.shape[0]
+    B, T = p1.shape
     P = _project(attn.fused_x, x)                     # every projection of x in one product
     qr = attn.q_norm(P["wq_a"])
     P.update(_project(attn.fused_qr, qr))             # and of qr
@@ -162,100 +177,137 @@ def _attention(shapes, attn, x, p1, ring, ring_pos, pools, table, counts, pendin
         q = rms(q, cfg.rms_norm_eps)
     q = attn.rope.apply(q, p1.unsqueeze(-1))
     # window: this token's row into the ring (slot order), the mask from positions
-    row = _encode(attn.rope.apply(attn.kv_norm(P["wkv"]), p1)[:, 0], shapes.window_fmt)    # [B, wb]
-    out["window"].append(row)
+    row = _encode(attn.rope.apply(attn.kv_norm(P["wkv"]), p1), shapes.window_fmt)    # [B, T, wb]
     S = ring.shape[1]
     dev = x.device
-    at = (torch.arange(S, device=dev) == (p1 % S))                               # [B, S]
-    ring = torch.where(at.unsqueeze(-1), row.unsqueeze(1), ring)      # decode(encode(x)) = stored x
-    win_idx = torch.arange(B * S, device=dev).view(B, S)      # rows of ring.view(B * S, wb)
-    kp = torch.where(at, p1, ring_pos)
-    win_valid = ((kp >= 0) & (kp <= p1) & (kp > p1 - cfg.sliding_window)).unsqueeze(1)   # [B, 1, S]
+    if T == 1:
+        row = row[:, 0]
+        at = (torch.arange(S, device=dev) == (p1 % S))                           # [B, S]
+        ring = torch.where(at.unsqueeze(-1), row.unsqueeze(1), ring)  # decode(encode(x)) = stored x
+        win_idx = torch.arange(B * S, device=dev).view(B, S)  # rows of ring.view(B * S, wb)
+        kp = torch.where(at, p1, ring_pos)
+        win_valid = ((kp >= 0) & (kp <= p1) & (kp > p1 - cfg.sliding_window)).unsqueeze(1)  # [B, 1, S]
+    else:   # the ring as it was, then the block's rows (a ring slot the block would overwrite
+        # may still be in an earlier row's window); row t sees the keys in (p_t - window, p_t]
+        ring = torch.cat((ring.reshape(B * S, -1), row.reshape(B * T, -1)))
+        win_idx = torch.cat((torch.arange(B * S, device=dev).view(B, S),
+                             B * S + torch.arange(B * T, device=dev).view(B, T)), 1)   # [B, S + T]
+        kp = torch.cat((ring_pos, p1), 1).unsqueeze(1)                           # [B, 1, S + T]
+        q_at = p1.unsqueeze(-1)
+        win_valid = (kp >= 0) & (kp <= q_at) & (kp > q_at - cfg.sliding_window)  # [B, T, S + T]
+    out["window"].append(row)
     if attn.role == "full":
         comp[attn.layer_id] = _compress(shapes, attn, P, p1, pools, table, counts, pending, out)
     kv_fmt = shapes.kv_fmt.get(attn.src, shapes.window_fmt)
     comp_rows = ring.new_zeros(1, shapes.row_width.get(attn.src, ring.shape[-1]))
-    comp_idx = torch.zeros(B, 1, 0, dtype=torch.int64, device=dev)
-    comp_valid = torch.zeros(B, 1, 0, dtype=torch.bool, device=dev)
+    comp_idx = torch.zeros(B, T, 0, dtype=torch.int64, device=dev)
+    comp_valid = torch.zeros(B, T, 0, dtype=torch.bool, device=dev)
     if attn.ratio > 0:
-        n_vis, n, main, emit = comp[attn.src]
+        n_vis, n, main, emit = comp[attn.src]           # n_vis [B, T]; main [B, G, w], emit [B, G]
         kv_pool = pools[("kv", attn.src)]
         if attn.sparse:
             if attn.role in ("full", "reindex"):
                 pool_sel = _select(shapes, attn.indexer, P, p1, comp, pool_sel, out)
-            idx, valid = out["topk"][attn.isrc]
-        else:                                                   # every visible entry
+            idx, valid = out["topk"][attn.isrc]                                  # [B, T, k]
+        else:                                   # every visible entry, gathered once for the rows
             N = table.shape[1] * kv_pool.shape[1]
             idx = torch.arange(N, device=dev).expand(B, 1, N)
-            valid = idx < n_vis.view(B, 1, 1)
-        rows = _gather_rows(kv_pool, table, idx.view(B, -1))                     # [B, k, w]
-        new = (idx.view(B, -1) == n.view(B, 1)) & emit.view(B, 1)               # the entry just made
-        rows = torch.where(new.unsqueeze(-1), main.unsqueeze(1), rows)
+            valid = idx < n_vis.view(B, T, 1)
+        rows = _gather_rows(kv_pool, table, idx.reshape(B, -1))                  # [B, k, w]
+        # the entries this call made (not stored yet) at their indices n, n + 1, ...
+        G = main.shape[1]
+        off = idx.reshape(B, -1) - n.view(B, 1)
+        new = (off >= 0) & (off < G)
+        made = main.gather(1, off.clamp(0, G - 1).unsqueeze(-1).expand(-1, -1, main.shape[-1]))
+        rows = torch.where(new.unsqueeze(-1), made, rows)
         k = rows.shape[1]
-        comp_rows, comp_valid = rows.reshape(B * k, -1), valid
-        comp_idx = torch.arange(B * k, device=dev).view(B, 1, k)
+        comp_rows, comp_valid = rows.reshape(B * k, -1), valid.expand(B, T, -1)
+        comp_idx = torch.arange(B * k, device=dev).view(B, -1, idx.shape[-1]).expand(B, T, -1)
     # one kernel: the FP8 window rows and the selected FP4 entries decoded inside its loop
-    o = cedlm_ops.attend_packed(q.float(), ring.reshape(B * S, -1), win_idx, win_valid, shapes.window_fmt,
+    o = cedlm_ops.attend_packed(q.float(), ring.reshape(-1, ring.shape[-1]), win_idx, win_valid, shapes.window_fmt,
                                 comp_rows, comp_idx, comp_valid, kv_fmt, attn.attn_sink.float(),
                                 attn.hd ** -0.5)
     o = attn.rope.apply(o, p1.unsqueeze(-1), inverse=True).to(x.dtype)
-    o = o.reshape(B, 1, attn.G, attn.H // attn.G * attn.hd)
+    o = o.reshape(B, T, attn.G, attn.H // attn.G * attn.hd)
     wa = attn.wo_a.weight.view(attn.G, -1, o.shape[-1])
     o = torch.einsum("btgi,gri->btgr", o, wa).flatten(2)
     return attn.wo_b(o), pool_sel
 
 
 def _compress(shapes, attn, P, p1, pools, table, counts, pending, out):
-    """The source's entry completed by this token (if any); returns (n visible [B], n stored
-    [B], the new entry's main-KV bytes [B, w], emit [B]). Its index key is spliced into the
-    source's index rows at n (out["idx_rows"], what the indexers score)."""
+    """The source's entries completed by the call's rows; returns (n visible [B, T] (row t sees
+    entries < n_vis[:, t]), n stored [B], the new entries' main-KV bytes [B, G, w], emit [B, G]):
+    G the groups the rows may complete, entry n + g made when emit[:, g]. Their index keys go
+    with the source's stored index rows (out["idx_rows"], what the indexers score). The pending
+    rows returned ("pending"): the old ones followed by the rows' projections, [B, r - 1 + T, hd]
+    (see `verify_step.VerifyStep.commit`; for T = 1 the first r - 1, the token put at its phase)."""
     src, comp, r = attn.layer_id, attn.compressor, shapes.ratio[attn.layer_id]
-    B = p1.shape[0]
+    B, T = p1.shape
+    dev = p1.device
     pos = p1[:, 0]
-    kv, gate = P["c_wkv"][:, 0].float(), P["c_wgate"][:, 0].float() if r > 1 else None  # [B, hd]
-    if r == 1:
-        lat, emit, start = comp.norm(kv), torch.ones(B, dtype=torch.bool, device=pos.device), pos
+    kv, gate = P["c_wkv"].float(), P["c_wgate"].float() if r > 1 else None       # [B, T, hd]
+    if r == 1:                                  # every row makes an entry
+        lat, start = comp.norm(kv), p1
+        emit = torch.ones(B, T, dtype=torch.bool, device=dev)
+        made = torch.arange(1, T + 1, device=dev).expand(B, T)       # entries made by row t
     else:
         pk, pg = pending[src]                                                    # [B, r-1, hd]
-        phase = pos % r
-        emit = phase == r - 1
-        start = pos - (r - 1)
-        kvs, gates = torch.cat((pk, kv.unsqueeze(1)), 1), torch.cat((pg, gate.unsqueeze(1)), 1)
-        lat = comp.pool(kvs, gates)[:, 0]                                        # one group
-        slot = (torch.arange(r - 1, device=pos.device) == phase.unsqueeze(1)).unsqueeze(-1)   # where it waits
-        out["pending"][src] = (torch.where(slot, kv.unsqueeze(1), pk), torch.where(slot, gate.unsqueeze(1), pg))
-    main = _encode(comp.rope.apply(lat, start), shapes.kv_fmt[src])
+        phase = (pos % r).view(B, 1)
+        if T == 1:
+            slot = (torch.arange(r - 1, device=dev) == phase).unsqueeze(-1)      # where it waits
+            kvs, gates = torch.cat((pk, kv), 1), torch.cat((pg, gate), 1)
+            out["pending"][src] = (torch.where(slot, kv, pk), torch.where(slot, gate, pg))
+        else:   # slot i: pending row i below the phase, else the row i - phase of the call
+            L = -(-(r - 1 + T) // r) * r
+            i = torch.arange(L, device=dev).view(1, L)
+            at = (i - phase).clamp(0, T - 1).unsqueeze(-1).expand(B, L, kv.shape[-1])
+            old = (i < phase).unsqueeze(-1)
+            pad = kv.new_zeros(B, L - (r - 1), kv.shape[-1])
+            kvs = torch.where(old, torch.cat((pk, pad), 1), kv.gather(1, at))
+            gates = torch.where(old, torch.cat((pg, pad), 1), gate.gather(1, at))
+            out["pending"][src] = (kvs, gates)
+        lat = comp.pool(kvs, gates)                                              # [B, G, hd]
+        G = lat.shape[1]
+        start = (pos - phase[:, 0]).view(B, 1) + r * torch.arange(G, device=dev)
+        emit = (torch.arange(1, G + 1, device=dev) * r).view(1, G) <= phase + T
+        made = (phase + torch.arange(1, T + 1, device=dev)) // r
+    main = _encode(comp.rope.apply(lat, start), shapes.kv_fmt[src])              # [B, G, w]
     idx_bytes = None
     n = counts[src]
     if src in shapes.key_sources:
         ix = attn.indexer
-        key = _round(ix.rope.apply(ix.keys(lat), start), shapes.idx_fmt[src])
+        key = _round(ix.rope.apply(ix.keys(lat), start), shapes.idx_fmt[src])  # [B, G, d]
         idx_bytes = _encode(key, shapes.idx_fmt[src])
         raw = pools[("idx", src)] if shapes.flat else _all_rows(pools[("idx", src)], table)
-        out.setdefault("idx_rows", {})[src] = (raw, key, n, emit)
+        out.setdefault("idx_rows", {})[src] = (raw, key, n)
     out["entries"][src] = (main, idx_bytes, emit)
-    return n + emit.long(), n, main, emit
+    return n.view(B, 1) + made, n, main, emit
 
 
 def _select(shapes, ix, P, p1, comp, pool_sel, out):
     """`Indexer.select` for one query row per sequence, over the padded entries."""
     cfg = shapes.cfg
     src = ix.keys_src
-    n_vis = comp[src][0]
-    raw, key, n, emit = out["idx_rows"][src]
+    n_vis = comp[src][0]                                                         # [B, T]
+    raw, key, n = out["idx_rows"][src]
+    B, T = n_vis.shape
     N = raw.shape[1]
     at = torch.arange(N, device=raw.device).view(1, 1, N)
     q = P["ix_q"].unflatten(-1, (ix.h, ix.d))                  # `Indexer.queries`, from the products
     w = P["ix_w"].float() * (ix.d ** -0.5 * ix.h ** -0.5)
     q = _round(ix.rope.apply(q, p1.unsqueeze(-1)), shapes.idx_fmt[src]).contiguous()
-    # the stored keys straight from their bytes; the key this token completed (not stored yet)
-    # scored here and put at its index n
-    score = cedlm_ops.index_score(q, w.float().contiguous(), raw, at < n.view(-1, 1, 1), shapes.idx_fmt[src])
-    new = (torch.einsum("bthd,bd->bth", q, key).relu() * w).sum(-1)             # [B, 1]
-    score = torch.where((at == n.view(-1, 1, 1)) & emit.view(-1, 1, 1), new.unsqueeze(-1), score)
+    # the stored keys straight from their bytes; the keys this call completed (not stored yet)
+    # scored here and put at their indices n, n + 1, ... for the rows that see them
+    score = cedlm_ops.index_score(q, w.float().contiguous(), raw,
+                                  (at < n.view(-1, 1, 1)).expand(B, T, N), shapes.idx_fmt[src])
+    new = (torch.einsum("bthd,bgd->btgh", q, key).relu() * w.unsqueeze(2)).sum(-1)   # [B, T, G]
+    off = at - n.view(-1, 1, 1)                                                  # [B, 1, N]
+    seen = (off >= 0) & (off < (n_vis - n.view(-1, 1)).unsqueeze(-1))             # [B, T, N]
+    made = new.gather(-1, off.clamp(0, new.shape[-1] - 1).expand(B, T, N))
+    score = torch.where(seen, made, score)
     cand = cfg.candidate_source_layer_id
     if ix.layer_id == cand:
-        pool_sel = candidate_pool(score, n_vis.view(-1, 1), cfg.candidate_block_size, cfg.candidate_topk_blocks)
+        pool_sel = candidate_pool(score, n_vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)
     elif pool_sel is not None and cand is not None and cfg.kv_source_of(cand) == src:
         score = score.masked_fill(~pool_sel, NEG)
     k = min(cfg.index_topk, N)
@@ -265,8 +317,8 @@ def _select(shapes, ix, P, p1, comp, pool_sel, out):
 
 
 def _moe(moe, x, image, out, l):
-    """Routed experts from stacked weights + the shared expert; x [B, 1, D] -> [B, 1, D]."""
-    B = x.shape[0]
+    """Routed experts from stacked weights + the shared expert; x [B, T, D] -> [B, T, D]."""
+    B = x.shape[0] * x.shape[1]
     xf = x.reshape(B, -1)
     w, ids = moe.gate(xf, None if image is None else image.reshape(-1))
     out["experts"][l] = ids
@@ -293,7 +345,7 @@ def _moe(moe, x, image, out, l):
         if sh.limit:
             g, u = g.clamp(max=sh.limit), u.clamp(-sh.limit, sh.limit)
         o = o + sh.w2(F.silu(g) * u).float()
-    return o.to(x.dtype).view(B, 1, -1)
+    return o.to(x.dtype).view(x.shape)
 
 
 def _project(fused, x):

@@ -1,0 +1,133 @@
+"""The DSpark verify step with static shapes: anchor + drafts for B sequences in one compiled
+call (`step.decode_step` with ids [B, T]), and the write-back of the kept prefix.
+
+`rollback.verify` (the reference, and the fallback) appends the T tokens to the sequences'
+caches through the eager encoder and decoder passes, then `rollback.rollback` undoes what the
+rejected ones wrote. This step appends nothing while it runs: each of the T rows attends to the
+cache as it was plus the block's earlier rows (window ring + the block's window rows; stored
+entries + the entries the block completes, at their indices n, n + 1, ...), so after acceptance
+the host writes back only the first n_keep rows' effects (`commit`), and nothing needs rolling
+back. The verified length is fixed per step object (T = 1 + the speculator's draft cap): a
+shorter block is padded with token 0, whose rows are computed and dropped, so one graph serves
+every call (plus one for batch 1, as for the decode step).
+
+    vs = VerifyStep.of(CompiledDecode.of(model), T)
+    logits, taps, out = vs(ids, states)       # ids [B, <= T]; logits [B, T, V], taps [B, T, n*D]
+    vs.commit(ids, states, out, keep)         # the first keep[b] tokens of row b, as if appended
+
+Modes follow the decode step's (`CompiledDecode.mode`): "compiled" compiles this step (its own
+graphs, cached on disk like the decode step's), "static" and "cudagraph" run it uncompiled (no
+CUDA graph is captured for the verify step), "eager" or a reason in `why_not` sends the caller
+to `rollback.verify` (`usable` is False). `tests/test_verify_step.py` compares logits, taps and
+every cache byte after `commit` with `rollback.verify` + `rollback.rollback`.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import time
+import weakref
+
+import torch
+
+from cedlm.model import step as step_
+from cedlm.model.compiled_step import CompiledDecode, _own_copy
+from cedlm.model.state import SequenceState
+
+
+# decode step -> {T: VerifyStep}; weak, so the graphs go with the model's decode step
+_STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class VerifyStep:
+    @classmethod
+    def of(cls, decoder: CompiledDecode, T: int, log=None) -> "VerifyStep":
+        """The step of `decoder`'s model for T tokens, made once: engines built one after another
+        (a bench, a server restarting its engine) share its graphs (a new object would trace and
+        load them again, seconds to tens of seconds)."""
+        steps = _STEPS.setdefault(decoder, {})
+        if T not in steps:
+            steps[T] = cls(decoder, T, log=log)
+        return steps[T]
+
+    def __init__(self, decoder: CompiledDecode, T: int, log=None):
+        if not 1 <= T <= decoder.model.cfg.sliding_window:
+            raise ValueError(f"verify step: T={T} not in [1, sliding_window="
+                             f"{decoder.model.cfg.sliding_window}]")
+        self.decoder, self.model, self.T = decoder, decoder.model, T
+        self.compile = decoder.mode == "compiled"
+        self.fn = step_.decode_step
+        if self.compile:                         # a graph of its own (options as the decode step's)
+            self.fn = torch.compile(_own_copy(step_.decode_step), fullgraph=True, options={
+                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                "cpp_wrapper": decoder.device.type == "cpu"})
+        self._shapes: dict[bool, step_.StepShapes] = {}
+        self.compile_s: dict[str, float] = {}
+        self.log = log
+
+    @property
+    def usable(self) -> bool:
+        """Whether this step runs now (else the caller takes `rollback.verify`)."""
+        return self.decoder.mode != "eager" and self.decoder.why_not() is None
+
+    def _shape(self, states) -> step_.StepShapes:
+        sh = self.decoder.shape_for(states)
+        if sh.flat not in self._shapes:
+            mine = copy.copy(sh)
+            mine.taps = True
+            self._shapes[sh.flat] = mine
+        return self._shapes[sh.flat]
+
+    @torch.no_grad()
+    def __call__(self, ids, states: list[SequenceState]):
+        """ids [B, t] (t <= T; padded to T with token 0) -> (logits [B, T, V], taps [B, T, n*D],
+        out: what `commit` writes back). Nothing in the states changes."""
+        ids = torch.as_tensor(ids, dtype=torch.int64, device="cpu")
+        B, t = ids.shape
+        if B != len(states):
+            raise ValueError(f"input_ids: {B} rows for {len(states)} states")
+        if not 1 <= t <= self.T:
+            raise ValueError(f"verify step: {t} tokens per row, expected 1..{self.T}")
+        if t < self.T:
+            ids = torch.cat((ids, ids.new_zeros(B, self.T - t)), 1)
+        shapes = self._shape(states)
+        args, _ = self.decoder._inputs(ids, states)
+        t0 = time.perf_counter()
+        try:
+            logits, out = self.fn(shapes, *args)
+        except Exception as e:                 # as the decode step: no compiler here -> uncompiled
+            if not self.compile:
+                raise
+            logging.getLogger(__name__).warning("verify step: torch.compile failed (%s: %s); "
+                                                "running it uncompiled", type(e).__name__,
+                                                (str(e).strip().splitlines() or [""])[0][:200])
+            self.compile, self.fn = False, step_.decode_step
+            logits, out = self.fn(shapes, *args)
+        graph = ("1" if B == 1 else ">= 2") + ("" if not shapes.flat else ", contiguous rows")
+        if self.compile and graph not in self.compile_s:
+            self.compile_s[graph] = time.perf_counter() - t0
+            if self.log:
+                self.log(f"verify step (T={self.T}) compiled for batch {graph} in "
+                         f"{self.compile_s[graph]:.1f} s")
+        return logits, out.pop("taps"), out
+
+    def commit(self, ids, states: list[SequenceState], out: dict, keep: list[int]) -> None:
+        """Write back the first keep[b] tokens of ids[b] (1 <= keep[b] <= its length): the
+        states are then what appending just them would have made."""
+        rows = ids.tolist() if isinstance(ids, torch.Tensor) else [list(r) for r in ids]
+        for b, (r, k) in enumerate(zip(rows, keep)):
+            if not 0 <= k <= len(r):
+                raise ValueError(f"commit: keep {k} not in [0, {len(r)}] (row {b})")
+        self.decoder.write_back(rows, states, out, keep)
+
+    @torch.no_grad()
+    def warm_up(self, batch_sizes: tuple[int, ...] = (1, 2), rows=None) -> dict[str, float]:
+        """Compile the graphs (as `CompiledDecode.warm_up`, scratch states) before a request."""
+        if not self.compile or not self.usable:
+            return {}
+        for B in batch_sizes:
+            states = [self.model.new_state(None if rows is None else rows()) for _ in range(B)]
+            for st in states:
+                self.model.prefill(torch.arange(3, 7), st)
+            self(torch.arange(B * self.T).view(B, self.T) % 7, states)
+        return dict(self.compile_s)
