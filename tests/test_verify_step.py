@@ -11,7 +11,8 @@ Like test_compiled_step.py, a comparison never hinges on a near-tie: both paths 
 copies of one state, rows whose decisions differ are counted (allowed: rarely) and logits are
 compared only where they agree. `static` runs the step's code eagerly (the suite's engines use
 it); `compiled` goes through torch.compile (one graph for batch 1 and one for batch >= 2, a few
-minutes on this machine the first time, cached on disk after)."""
+minutes on this machine the first time, cached on disk after; marked slow, while
+`cedlm bench --quick` in test_bench.py runs the compiled step through the engine)."""
 from __future__ import annotations
 
 import copy
@@ -193,6 +194,7 @@ def test_eager_mode_keeps_the_reference():
     assert DSparkSpeculator(m, decoder=CompiledDecode(m, "static")).step.usable
 
 
+@pytest.mark.slow            # cold: two graphs, about 15 minutes on this 2-core machine
 @pytest.mark.parametrize("lengths", [(70,), (37, 64)])
 def test_compiled_verify_matches_rollback(shipped, lengths):
     """The step through torch.compile (inductor; a graph for batch 1 and one for batch >= 2)."""

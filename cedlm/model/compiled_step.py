@@ -63,12 +63,30 @@ def default_mode(device=None) -> str:
 _STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _own_copy(fn):
+def own_copy(fn):
     """`fn` with a code object of its own: torch.compile keeps compiled graphs and their guards per
     code object, so each CompiledDecode (one per model) gets its own cache."""
     import types
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
                               fn.__closure__)
+
+
+def compile_step(device):
+    """`step.decode_step` (a copy of its own, `own_copy`) through torch.compile for a model on
+    `device`: the decode step's graphs, or the verify step's (`verify_step.py`)."""
+    return torch.compile(own_copy(step_.decode_step), fullgraph=True, options={
+        # The guards on the model's modules and parameters (hundreds of checks, measured
+        # at 2.8 ms of a 9 ms step) are dropped: this object compiles its own copy of the
+        # step for one model, whose structure does not change; what could change is
+        # checked by `why_not` before every call (decisions attached, training mode) or
+        # is an input (Engram rows looked up on the host when the table is offloaded:
+        # None or not, guarded). The guards on the step's tensor inputs stay.
+        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+        # On the CPU the graph's kernels are called from generated C++ rather than a
+        # generated Python function, one Python call per step instead of one per kernel
+        # (the shipped model at 512 tokens, batch 1: 7.3 -> 6.0 ms per token; its first
+        # compile takes longer, about 3 min cold, then loads from the cache).
+        "cpp_wrapper": torch.device(device).type == "cpu"})
 
 
 class CompiledDecode:
@@ -101,19 +119,7 @@ class CompiledDecode:
             step_.fuse_projections(model)
         self.fn = step_.decode_step
         if self.compile:
-            self.fn = torch.compile(_own_copy(step_.decode_step), fullgraph=True, options={
-                # The guards on the model's modules and parameters (hundreds of checks, measured
-                # at 2.8 ms of a 9 ms step) are dropped: this object compiles its own copy of the
-                # step for one model, whose structure does not change; what could change is
-                # checked by `why_not` before every call (decisions attached, training mode) or
-                # is an input (Engram rows looked up on the host when the table is offloaded:
-                # None or not, guarded). The guards on the step's tensor inputs stay.
-                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                # On the CPU the graph's kernels are called from generated C++ rather than a
-                # generated Python function, one Python call per step instead of one per kernel
-                # (the shipped model at 512 tokens, batch 1: 7.3 -> 6.0 ms per token; its first
-                # compile takes longer, about 3 min cold, then loads from the cache).
-                "cpp_wrapper": self.device.type == "cpu"})
+            self.fn = compile_step(self.device)
         # the modules whose state can take a call off the step (decisions), and the Engram
         # modules (an offloaded table: its rows are looked up on the host, before the step)
         self._watched = [mod for mod in model.modules() if hasattr(mod, "decisions")]

@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from cedlm.model import step as step_
-from cedlm.model.compiled_step import CompiledDecode, _own_copy
+from cedlm.model.compiled_step import CompiledDecode, compile_step
 from cedlm.model.state import SequenceState
 
 
@@ -58,9 +58,7 @@ class VerifyStep:
         self.compile = decoder.mode == "compiled"
         self.fn = step_.decode_step
         if self.compile:                         # a graph of its own (options as the decode step's)
-            self.fn = torch.compile(_own_copy(step_.decode_step), fullgraph=True, options={
-                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                "cpp_wrapper": decoder.device.type == "cpu"})
+            self.fn = compile_step(decoder.device)
         self._shapes: dict[bool, step_.StepShapes] = {}
         self.compile_s: dict[str, float] = {}
         self.log = log
@@ -91,7 +89,7 @@ class VerifyStep:
         if t < self.T:
             ids = torch.cat((ids, ids.new_zeros(B, self.T - t)), 1)
         shapes = self._shape(states)
-        args, _ = self.decoder._inputs(ids, states)
+        args = self.decoder.inputs(ids, states)
         t0 = time.perf_counter()
         try:
             logits, out = self.fn(shapes, *args)
