@@ -83,11 +83,18 @@ def _state_bytes(st):
 def _assert_same_state(a, b):
     """Positions, tokens and entry counts equal; the stored bytes equal but for rare codes that a
     last-bit difference of the input rounds to the neighbouring FP4/FP8 value (<= 0.5 %)."""
-    wa, pa, kva, ia, pena, ta = _state_bytes(a)
-    wb, pb, kvb, ib, penb, tb = _state_bytes(b)
+    wa, pa, _, _, _, ta = _state_bytes(a)
+    wb, pb, _, _, _, tb = _state_bytes(b)
     assert torch.equal(pa, pb) and ta == tb
-    pairs = [(wa, wb)] + [(kva[s], kvb[s]) for s in kva] + [(ia[s], ib[s]) for s in ia]
-    for x, y in pairs:
+    assert wa.shape == wb.shape and (wa != wb).float().mean().item() <= 0.005
+    assert_same_entries(a, b)
+
+
+def assert_same_entries(a, b):
+    """Entry codes (main KV, index keys) equal but for <= 0.5 %; pending rows within 1e-4."""
+    _, _, kva, ia, pena, _ = _state_bytes(a)
+    _, _, kvb, ib, penb, _ = _state_bytes(b)
+    for x, y in [(kva[s], kvb[s]) for s in kva] + [(ia[s], ib[s]) for s in ia]:
         assert x.shape == y.shape
         assert (x != y).float().mean().item() <= 0.005
     for s in pena:
