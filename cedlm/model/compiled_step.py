@@ -378,7 +378,7 @@ class CompiledDecode:
                 st.window_all[:, p % S] = win[:, b, 0]
                 st.window_pos_all[:, p % S] = p
             elif n:
-                slots = torch.arange(p, p + n) % S
+                slots = torch.arange(p, p + n, device=sdev) % S
                 st.window_all[:, slots] = win[:, b, :n].to(sdev)
                 st.window_pos_all[:, slots] = torch.arange(p, p + n, device=sdev)
             for s, (main, idx, _) in out["entries"].items():

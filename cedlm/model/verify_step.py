@@ -127,5 +127,5 @@ class VerifyStep:
             states = [self.model.new_state(None if rows is None else rows()) for _ in range(B)]
             for st in states:
                 self.model.prefill(torch.arange(3, 7), st)
-            self(torch.arange(B * self.T).view(B, self.T) % 7, states)
+            self(torch.arange(B * self.T, device="cpu").view(B, self.T) % 7, states)
         return dict(self.compile_s)
