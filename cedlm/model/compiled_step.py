@@ -89,6 +89,26 @@ def compile_step(device):
         "cpp_wrapper": torch.device(device).type == "cpu"})
 
 
+def graph_name(batch: int, flat: bool) -> str:
+    """The graph a call of `batch` sequences runs ("1", ">= 2", ", contiguous rows" when `flat`):
+    the keys of `compile_s`."""
+    return ("1" if batch == 1 else ">= 2") + (", contiguous rows" if flat else "")
+
+
+def error_line(e: Exception) -> str:
+    """The first line of an exception's message (at most 200 characters), for a one-line log."""
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def scratch_states(model, batch: int, rows=None) -> list[SequenceState]:
+    """`batch` short sequences (4 prefilled tokens) to compile a step on before any request;
+    rows: a rows factory (the engine's block pool), else contiguous rows."""
+    states = [model.new_state(None if rows is None else rows()) for _ in range(batch)]
+    for st in states:
+        model.prefill(torch.arange(3, 7), st)
+    return states
+
+
 class CompiledDecode:
     """`model.decode` as one compiled call per step (see the module docstring).
 
@@ -200,8 +220,7 @@ class CompiledDecode:
                 raise
             self._give_up_compiling(e)
             logits, out = self.fn(shapes, *args)
-        graph = "1" if len(states) == 1 else ">= 2"
-        graph += "" if not shapes.flat else ", contiguous rows"
+        graph = graph_name(len(states), shapes.flat)
         if self.compile and graph not in self.compile_s:
             self.compile_s[graph] = time.perf_counter() - t0
             if self.log:
@@ -215,7 +234,7 @@ class CompiledDecode:
         return logits, out
 
     def _give_up_compiling(self, e: Exception) -> None:
-        why = (str(e).strip().splitlines() or [""])[0][:200]
+        why = error_line(e)
         what = "CUDA graph capture" if self.graphs is not None else "torch.compile"
         logging.getLogger(__name__).warning(
             "decode step: %s failed (%s: %s); running the step uncompiled "
@@ -234,10 +253,7 @@ class CompiledDecode:
         if not (self.compile or capturing) or self.why_not() is not None:
             return {}
         for B in batch_sizes:
-            states = [self.model.new_state(None if rows is None else rows()) for _ in range(B)]
-            for st in states:
-                self.model.prefill(torch.arange(3, 7), st)
-            self(list(range(B)), states, paged=True)
+            self(list(range(B)), scratch_states(self.model, B, rows), paged=True)
         return dict(self.compile_s)
 
     def shape_for(self, states: list[SequenceState], paged: bool | None = None) -> step_.StepShapes:

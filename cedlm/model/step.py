@@ -100,7 +100,8 @@ def decode_step(shapes: StepShapes, ids, pos, hist, rings, ring_pos, pools, tabl
     of the block (`verify_step.py`); the shapes of `out` then carry a T (or G: the entries the
     block may complete) dimension, see `verify_step.VerifyStep.commit`.
 
-    ids [B] (or [B, T]), pos [B] int64 (the first position); hist [B, h] the h previous token ids (Engram; pad id before position 0);
+    ids [B] (or [B, T]), pos [B] int64 (the first position); hist [B, h] the h previous token
+    ids (Engram; pad id before position 0);
     rings [L, B, S, wb] uint8 and ring_pos [L, B, S] int64 (the windows before this step);
     pools: {("kv"|"idx", src): [nblocks, per_block, width] uint8}; table [B, nb] int64 block ids
     (a spare column at the end); counts {src: [B] int64 entries stored}; pending {src: (kv, gate)
@@ -285,7 +286,7 @@ def _compress(shapes, attn, P, p1, pools, table, counts, pending, out):
 
 
 def _select(shapes, ix, P, p1, comp, pool_sel, out):
-    """`Indexer.select` for one query row per sequence, over the padded entries."""
+    """`Indexer.select` for the call's query rows (one per token), over the padded entries."""
     cfg = shapes.cfg
     src = ix.keys_src
     n_vis = comp[src][0]                                                         # [B, T]

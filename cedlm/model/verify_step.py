@@ -31,7 +31,8 @@ import weakref
 import torch
 
 from cedlm.model import step as step_
-from cedlm.model.compiled_step import CompiledDecode, compile_step
+from cedlm.model.compiled_step import (CompiledDecode, compile_step, error_line, graph_name,
+                                       scratch_states)
 from cedlm.model.state import SequenceState
 
 
@@ -97,11 +98,10 @@ class VerifyStep:
             if not self.compile:
                 raise
             logging.getLogger(__name__).warning("verify step: torch.compile failed (%s: %s); "
-                                                "running it uncompiled", type(e).__name__,
-                                                (str(e).strip().splitlines() or [""])[0][:200])
+                                                "running it uncompiled", type(e).__name__, error_line(e))
             self.compile, self.fn = False, step_.decode_step
             logits, out = self.fn(shapes, *args)
-        graph = ("1" if B == 1 else ">= 2") + ("" if not shapes.flat else ", contiguous rows")
+        graph = graph_name(B, shapes.flat)
         if self.compile and graph not in self.compile_s:
             self.compile_s[graph] = time.perf_counter() - t0
             if self.log:
@@ -110,7 +110,7 @@ class VerifyStep:
         return logits, out.pop("taps"), out
 
     def commit(self, ids, states: list[SequenceState], out: dict, keep: list[int]) -> None:
-        """Write back the first keep[b] tokens of ids[b] (1 <= keep[b] <= its length): the
+        """Write back the first keep[b] tokens of ids[b] (0 <= keep[b] <= its length): the
         states are then what appending just them would have made."""
         rows = ids.tolist() if isinstance(ids, torch.Tensor) else [list(r) for r in ids]
         for b, (r, k) in enumerate(zip(rows, keep)):
@@ -124,8 +124,5 @@ class VerifyStep:
         if not self.compile or not self.usable:
             return {}
         for B in batch_sizes:
-            states = [self.model.new_state(None if rows is None else rows()) for _ in range(B)]
-            for st in states:
-                self.model.prefill(torch.arange(3, 7), st)
-            self(torch.arange(B * self.T, device="cpu").view(B, self.T) % 7, states)
+            self(torch.arange(B * self.T, device="cpu").view(B, self.T) % 7, scratch_states(self.model, B, rows))
         return dict(self.compile_s)
