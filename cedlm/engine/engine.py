@@ -116,6 +116,8 @@ class Engine:
             if self.speculator is not None and self.speculator.step is not None:
                 got.update({f"verify {g}": sec for g, sec in
                             self.speculator.step.warm_up(batch_sizes, rows).items()})
+                got.update({f"draft {g}": sec for g, sec in
+                            self.speculator.drafter.warm_up(batch_sizes).items()})
             return got
         except NoFreeBlocks:
             return {}

@@ -3,8 +3,9 @@ target forward, keep the accepted prefix, roll back the rest, return the tokens.
 
 Per engine step, for the running sequences that can speculate (no logits processing, no top
 logprobs: their sampling distribution is the plain temperature / top-k / top-p one):
-1. `propose`: `dspark.draft_block` + `markov_decode` give N = dspark_block_size draft tokens per
-   sequence (greedy rows take the argmax, sampled rows draw from the draft distribution q); the
+1. `propose`: the block's hidden rows (the static draft step, `draft_step.DraftStep`, compiled
+   like the decode step; `dspark.draft_block` in mode "eager") + `markov_decode` give
+   N = dspark_block_size draft tokens per sequence (greedy rows take the argmax, sampled rows draw from the draft distribution q); the
    drafts to verify: while the running product of their confidences stays at or above
    `threshold` (0 verifies the whole block), capped by what the request may still emit;
 2. the engine reserves the lookahead slots through the scheduler (`Scheduler.reserve_lookahead`;
@@ -37,6 +38,7 @@ import torch
 from cedlm.engine.loader import model_device
 from cedlm.engine.sampler import apply_top_k_top_p
 from cedlm.model import dspark
+from cedlm.model.draft_step import DraftStep
 from cedlm.model.rollback import capture, mark, rollback, verify
 from cedlm.model.verify_step import VerifyStep
 
@@ -167,8 +169,9 @@ class DSparkSpeculator:
         N = model.cfg.dspark_block_size
         self.k_max = min(self.cfg.num_draft_tokens or N, N, model.cfg.sliding_window - 1)
         self.stats = SpecStats(verified_at=[0] * N, accepted_at=[0] * N)
-        self.step = (VerifyStep.of(decoder, 1 + self.k_max, log=log)
-                     if decoder is not None and decoder.mode != "eager" else None)
+        static = decoder is not None and decoder.mode != "eager"
+        self.step = VerifyStep.of(decoder, 1 + self.k_max, log=log) if static else None
+        self.drafter = DraftStep.of(decoder, log=log) if static else None
 
     # ---------------------------------------------------------------- drafter context
     def new_draft_state(self):
@@ -216,7 +219,11 @@ class DSparkSpeculator:
     def draft(self, reqs, runs, anchors: torch.Tensor, P: torch.Tensor):
         """One block per sequence: (draft tokens [B, N], draft logits [B, N, V], confidence
         [B, N]); greedy rows take the argmax, sampled rows draw from their draft distribution."""
-        h, base = dspark.draft_block(self.model, [u.draft for u in runs], anchors, P)
+        states = [u.draft for u in runs]
+        if self.drafter is not None and self.drafter.usable:      # the static step (draft_step.py)
+            h, base = self.drafter(states, anchors, P)
+        else:
+            h, base = dspark.draft_block(self.model, states, anchors, P)
 
         def choose(logits, i):
             out = logits.argmax(-1)

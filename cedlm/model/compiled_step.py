@@ -71,10 +71,11 @@ def own_copy(fn):
                               fn.__closure__)
 
 
-def compile_step(device):
-    """`step.decode_step` (a copy of its own, `own_copy`) through torch.compile for a model on
-    `device`: the decode step's graphs, or the verify step's (`verify_step.py`)."""
-    return torch.compile(own_copy(step_.decode_step), fullgraph=True, options={
+def compile_step(device, fn=None):
+    """`fn` (default `step.decode_step`; a copy of its own, `own_copy`) through torch.compile for
+    a model on `device`: the decode step's graphs, the verify step's (`verify_step.py`) or the
+    draft step's (`draft_step.py`)."""
+    return torch.compile(own_copy(fn or step_.decode_step), fullgraph=True, options={
         # The guards on the model's modules and parameters (hundreds of checks, measured
         # at 2.8 ms of a 9 ms step) are dropped: this object compiles its own copy of the
         # step for one model, whose structure does not change; what could change is
@@ -93,6 +94,12 @@ def graph_name(batch: int, flat: bool) -> str:
     """The graph a call of `batch` sequences runs ("1", ">= 2", ", contiguous rows" when `flat`):
     the keys of `compile_s`."""
     return ("1" if batch == 1 else ">= 2") + (", contiguous rows" if flat else "")
+
+
+def mark_dynamic(*pairs) -> None:
+    """(tensor, dim) pairs whose size varies between calls of one graph (batch, blocks)."""
+    for t, d in pairs:
+        torch._dynamo.mark_dynamic(t, d)
 
 
 def error_line(e: Exception) -> str:
@@ -321,10 +328,9 @@ class CompiledDecode:
         if any(e.host_table is not None for e in self._engrams):
             engram = step_.engram_rows(self.model, ids, hist)
         if self.compile and B > 1:           # one graph for every batch size >= 2
-            for t, d in ((ids, 0), (pos, 0), (hist, 0), (rings, 1), (ring_pos, 1), (table, 0),
+            mark_dynamic((ids, 0), (pos, 0), (hist, 0), (rings, 1), (ring_pos, 1), (table, 0),
                          *((c, 0) for c in counts.values()), *((x, 0) for p in pending.values() for x in p),
-                         *((e, 0) for e in (engram or {}).values())):
-                torch._dynamo.mark_dynamic(t, d)
+                         *((e, 0) for e in (engram or {}).values()))
         return (ids, pos, hist, rings, ring_pos, pools, table, counts, pending, engram), copied
 
     def _pools(self, states, T: int = 1):
@@ -366,10 +372,7 @@ class CompiledDecode:
         table = torch.tensor([list(t) + [pad[b]] * (nb - len(t)) for b, t in enumerate(tables)],
                              dtype=torch.int64, device="cpu").to(dev, non_blocking=True)
         if self.compile:                     # one graph for every context length
-            torch._dynamo.mark_dynamic(table, 1)
-            for p in pools.values():
-                torch._dynamo.mark_dynamic(p, 0)
-                torch._dynamo.mark_dynamic(p, 1)
+            mark_dynamic((table, 1), *((p, d) for p in pools.values() for d in (0, 1)))
         return pools, table, copied
 
     def write_back(self, ids, states: list[SequenceState], out: dict, keep: list[int] | None = None) -> None:

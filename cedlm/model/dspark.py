@@ -207,8 +207,9 @@ class DraftState:
     def __init__(self, layout, n_stages: int, device: torch.device | str = "cpu"):
         self.layout = layout
         W, wb = layout.window_slots, layout.window_entry_bytes
-        self.window = [torch.zeros(W, wb, dtype=torch.uint8, device=device) for _ in range(n_stages)]
-        self.window_pos = [torch.full((W,), -1, dtype=torch.int64, device=device) for _ in range(n_stages)]
+        # one tensor per kind ([stage, slot, ...]) so a batch's rings stack in one copy
+        self.window = torch.zeros(n_stages, W, wb, dtype=torch.uint8, device=device)
+        self.window_pos = torch.full((n_stages, W), -1, dtype=torch.int64, device=device)
         self.num_ctx = 0                       # context rows exist for positions < num_ctx
 
     def write(self, rows: list[torch.Tensor], pos: torch.Tensor) -> None:
@@ -225,15 +226,14 @@ class DraftState:
         """A copy (a forked sample starts from its source's context rows)."""
         out = DraftState.__new__(DraftState)
         out.layout, out.num_ctx = self.layout, self.num_ctx
-        out.window = [w.clone() for w in self.window]
-        out.window_pos = [p.clone() for p in self.window_pos]
+        out.window, out.window_pos = self.window.clone(), self.window_pos.clone()
         return out
 
     def keys(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         return decode(self.window[s], self.layout.window_fmt, self.layout.window_dim), self.window_pos[s]
 
     def nbytes(self) -> int:
-        return sum(w.numel() for w in self.window)
+        return self.window.numel()
 
 
 def block_ids(cfg: ModelConfig, anchors: torch.Tensor) -> torch.Tensor:

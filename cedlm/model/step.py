@@ -51,7 +51,7 @@ def _round(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
     return cedlm_ops.quant_dequant(x.float().contiguous(), fmt)
 
 
-def _encode(x: torch.Tensor, fmt: str) -> torch.Tensor:
+def encode_rows(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return cedlm_ops.encode(x.float().contiguous(), fmt)
 
 
@@ -138,7 +138,7 @@ def decode_step(shapes: StepShapes, ids, pos, hist, rings, ring_pos, pools, tabl
                                  counts, pending, comp, pool_sel, out)
         x = expand(x, a, post, comb)
         pre_f, post, comb = layer.mixes(x, "ffn")
-        f = _moe(layer.ffn, layer.ffn_norm(collapse(x, pre_a)), image, out, l)
+        f = routed_moe(layer.ffn, layer.ffn_norm(collapse(x, pre_a)), image, out, l)
         x = expand(x, f, post, comb)
         pre = pre_f
     logits = model.head(model.norm(collapse(x, pre))).float()
@@ -170,15 +170,15 @@ def _attention(shapes, attn, x, p1, ring, ring_pos, pools, table, counts, pendin
     p1 [B, T]: the rows' positions."""
     cfg = shapes.cfg
     B, T = p1.shape
-    P = _project(attn.fused_x, x)                     # every projection of x in one product
+    P = project(attn.fused_x, x)                     # every projection of x in one product
     qr = attn.q_norm(P["wq_a"])
-    P.update(_project(attn.fused_qr, qr))             # and of qr
+    P.update(project(attn.fused_qr, qr))             # and of qr
     q = P["wq_b"].unflatten(-1, (attn.H, attn.hd))                               # [B, 1, H, hd]
     if cfg.q_head_norm:
         q = rms(q, cfg.rms_norm_eps)
     q = attn.rope.apply(q, p1.unsqueeze(-1))
     # window: this token's row into the ring (slot order), the mask from positions
-    row = _encode(attn.rope.apply(attn.kv_norm(P["wkv"]), p1), shapes.window_fmt)    # [B, T, wb]
+    row = encode_rows(attn.rope.apply(attn.kv_norm(P["wkv"]), p1), shapes.window_fmt)    # [B, T, wb]
     S = ring.shape[1]
     dev = x.device
     if T == 1:
@@ -272,13 +272,13 @@ def _compress(shapes, attn, P, p1, pools, table, counts, pending, out):
         start = (pos - phase[:, 0]).view(B, 1) + r * torch.arange(G, device=dev)
         emit = (torch.arange(1, G + 1, device=dev) * r).view(1, G) <= phase + T
         made = (phase + torch.arange(1, T + 1, device=dev)) // r
-    main = _encode(comp.rope.apply(lat, start), shapes.kv_fmt[src])              # [B, G, w]
+    main = encode_rows(comp.rope.apply(lat, start), shapes.kv_fmt[src])              # [B, G, w]
     idx_bytes = None
     n = counts[src]
     if src in shapes.key_sources:
         ix = attn.indexer
         key = _round(ix.rope.apply(ix.keys(lat), start), shapes.idx_fmt[src])  # [B, G, d]
-        idx_bytes = _encode(key, shapes.idx_fmt[src])
+        idx_bytes = encode_rows(key, shapes.idx_fmt[src])
         raw = pools[("idx", src)] if shapes.flat else _all_rows(pools[("idx", src)], table)
         out.setdefault("idx_rows", {})[src] = (raw, key, n)
     out["entries"][src] = (main, idx_bytes, emit)
@@ -317,7 +317,7 @@ def _select(shapes, ix, P, p1, comp, pool_sel, out):
     return pool_sel
 
 
-def _moe(moe, x, image, out, l):
+def routed_moe(moe, x, image, out, l):
     """Routed experts from stacked weights + the shared expert; x [B, T, D] -> [B, T, D]."""
     B = x.shape[0] * x.shape[1]
     xf = x.reshape(B, -1)
@@ -342,14 +342,14 @@ def _moe(moe, x, image, out, l):
         o = o + y[:, j]
     if moe.shared_experts is not None:                # `Expert.forward`, w1 and w3 in one product
         sh = moe.shared_experts
-        g, u = _project(moe.fused_shared, xf).values()
+        g, u = project(moe.fused_shared, xf).values()
         if sh.limit:
             g, u = g.clamp(max=sh.limit), u.clamp(-sh.limit, sh.limit)
         o = o + sh.w2(F.silu(g) * u).float()
     return o.to(x.dtype).view(x.shape)
 
 
-def _project(fused, x):
+def project(fused, x):
     """fused = (weight [sum of outs, in], names, sizes): {name: x @ its rows^T} from one product."""
     W, names, sizes = fused
     return dict(zip(names, F.linear(x, W).split(sizes, -1)))
@@ -360,8 +360,9 @@ def fuse_projections(model) -> None:
     modules' parameters made views of it (same storage, nothing copied twice): of the attention
     input x (wq_a, wkv, the compressor's wkv and wgate, the indexer's weights_proj), of qr (wq_b,
     the indexer's wq_b), of the MoE input (the shared expert's w1 and w3). One matrix product
-    instead of up to five (the step's own layout; the modules compute the same products)."""
-    for layer in model.layers:
+    instead of up to five (the step's own layout; the modules compute the same products). The
+    DSpark drafter's layers (`model.mtp`) too: the draft step (`draft_step.py`) reads them so."""
+    for layer in _stacks(model):
         a = layer.attn
         if getattr(a, "fused_x", None) is not None:
             continue
@@ -381,8 +382,9 @@ def fuse_projections(model) -> None:
 
 def stack_experts(model) -> None:
     """Give every MoE stacked expert weights ([E, out, in] per projection, `moe.stacked`) whose
-    slices ARE the experts' parameters (`_concat`: same storage, a later load writes both)."""
-    for layer in model.layers:
+    slices ARE the experts' parameters (`_concat`: same storage, a later load writes both); the
+    drafter's layers' too."""
+    for layer in _stacks(model):
         moe = layer.ffn
         if getattr(moe, "stacked", None) is not None:
             continue
@@ -391,6 +393,11 @@ def stack_experts(model) -> None:
             W, _, sizes = _concat([(str(i), getattr(e, name)) for i, e in enumerate(moe.experts)])
             stacks.append(W.view(len(sizes), sizes[0], -1))
         moe.stacked = tuple(stacks)
+
+
+def _stacks(model):
+    """The target's layers, then the DSpark drafter's (when the model has one)."""
+    return [*model.layers, *getattr(model, "mtp", ())]
 
 
 def _concat(named):
