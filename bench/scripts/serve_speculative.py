@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_test import HOST, free_port, wait_ready  # noqa: E402
 
+from cedlm.bench.common import git_commit  # noqa: E402
+
 MODEL = "cedlm"
 
 
@@ -146,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     out = {"streams": a.streams, "rounds": rounds, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
            "threshold": a.threshold, "threads": 1, "speedup": round(tot["speculative"] / tot["plain"], 3),
            "speedup_by_round": [r["speedup"] for r in rounds], "identical": identical,
-           "load_at_start": [round(x, 2) for x in load]}
+           "load_at_start": [round(x, 2) for x in load],
+           "command": " ".join([".venv/bin/python", "bench/scripts/serve_speculative.py", *(argv or sys.argv[1:])]),
+           "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+           **dict(zip(("git_commit", "git_dirty"), git_commit()))}
     print(f"{a.streams} streams: speculative / plain throughput {out['speedup']:.2f}x "
           f"(rounds {', '.join(f'{x:.2f}x' for x in out['speedup_by_round'])}); replies identical: {identical}")
     if a.out:
