@@ -162,9 +162,9 @@ class DraftStep:
         """Compile the graphs before a request, on empty draft states."""
         if not self.compile or not self.usable:
             return {}
+        dev = self.decoder.device
         for B in batch_sizes:
-            states = [dspark.DraftState(self.model.kv_layout, len(self.model.mtp),
-                                        device=self.decoder.device) for _ in range(B)]
-            dev = self.decoder.device
+            states = [dspark.DraftState(self.model.kv_layout, len(self.model.mtp), device=dev)
+                      for _ in range(B)]
             self(states, torch.full((B,), 3, device=dev), torch.zeros(B, dtype=torch.int64, device=dev))
         return dict(self.compile_s)
