@@ -287,7 +287,7 @@ def test_fake_device_storage(tiny):
         states = [fm.new_state(), fm.new_state(pool.rows(BlockTable(pool)))]
         draft = dspark.DraftState(lay, 1, device=dev)
         assert all(t.device.type == FAKE_DEVICE for st in states for t in _state_tensors(st))
-        assert all(t.device.type == FAKE_DEVICE for t in list(pool.data.values()) + draft.window)
+        assert all(t.device.type == FAKE_DEVICE for t in [*pool.data.values(), draft.window, draft.window_pos])
         cache = ByteKVCache(lay, states)
         B, hd = len(states), cfg.head_dim
         pos = torch.zeros(B, 1, dtype=torch.int64, device=dev)
