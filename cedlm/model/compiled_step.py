@@ -107,6 +107,28 @@ def error_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [""])[0][:200]
 
 
+def run_step(step, name: str, uncompiled, args, graph: str):
+    """`step.fn(*args)` for a step object compiled apart from the decode step (the verify and
+    draft steps: `fn`, `compile`, `compile_s`, `log`): if torch.compile fails (no compiler
+    here), log one line and run `uncompiled` from then on; the first call of each compiled
+    `graph` is timed into `compile_s` (and logged)."""
+    t0 = time.perf_counter()
+    try:
+        result = step.fn(*args)
+    except Exception as e:
+        if not step.compile:
+            raise
+        logging.getLogger(__name__).warning("%s: torch.compile failed (%s: %s); running it "
+                                            "uncompiled", name, type(e).__name__, error_line(e))
+        step.compile, step.fn = False, uncompiled
+        result = step.fn(*args)
+    if step.compile and graph not in step.compile_s:
+        step.compile_s[graph] = time.perf_counter() - t0
+        if step.log:
+            step.log(f"{name} compiled for batch {graph} in {step.compile_s[graph]:.1f} s")
+    return result
+
+
 def scratch_states(model, batch: int, rows=None) -> list[SequenceState]:
     """`batch` short sequences (4 prefilled tokens) to compile a step on before any request;
     rows: a rows factory (the engine's block pool), else contiguous rows."""

@@ -26,16 +26,14 @@ reason in `why_not`) sends the caller to `dspark.draft_block` (`usable` is False
 """
 from __future__ import annotations
 
-import logging
-import time
 import weakref
 
 import torch
 
 from cedlm.model import dspark
 from cedlm.model import step as step_
-from cedlm.model.compiled_step import (CompiledDecode, compile_step, error_line, graph_name,
-                                       mark_dynamic)
+from cedlm.model.compiled_step import (CompiledDecode, compile_step, graph_name, mark_dynamic,
+                                       run_step)
 from cedlm.model.mhc import collapse, expand, first_pre
 from cedlm.model.norm import rms
 
@@ -140,21 +138,7 @@ class DraftStep:
         args = (self.model, self.fmt, rings, ring_pos, anchors, P)
         if self.compile and B > 1:                 # one graph for every batch size >= 2
             mark_dynamic((rings, 1), (ring_pos, 0), (anchors, 0), (P, 0))
-        t0 = time.perf_counter()
-        try:
-            h, base, experts = self.fn(*args)
-        except Exception as e:                     # as the decode step: no compiler -> uncompiled
-            if not self.compile:
-                raise
-            logging.getLogger(__name__).warning("draft step: torch.compile failed (%s: %s); "
-                                                "running it uncompiled", type(e).__name__, error_line(e))
-            self.compile, self.fn = False, draft_step
-            h, base, experts = self.fn(*args)
-        graph = graph_name(B, False)
-        if self.compile and graph not in self.compile_s:
-            self.compile_s[graph] = time.perf_counter() - t0
-            if self.log:
-                self.log(f"draft step compiled for batch {graph} in {self.compile_s[graph]:.1f} s")
+        h, base, experts = run_step(self, "draft step", draft_step, args, graph_name(B, False))
         return (h, base, experts) if with_experts else (h, base)
 
     @torch.no_grad()

@@ -24,14 +24,12 @@ every cache byte after `commit` with `rollback.verify` + `rollback.rollback`.
 from __future__ import annotations
 
 import copy
-import logging
-import time
 import weakref
 
 import torch
 
 from cedlm.model import step as step_
-from cedlm.model.compiled_step import (CompiledDecode, compile_step, error_line, graph_name,
+from cedlm.model.compiled_step import (CompiledDecode, compile_step, graph_name, run_step,
                                        scratch_states)
 from cedlm.model.state import SequenceState
 
@@ -91,22 +89,8 @@ class VerifyStep:
             ids = torch.cat((ids, ids.new_zeros(B, self.T - t)), 1)
         shapes = self._shape(states)
         args = self.decoder.inputs(ids, states)
-        t0 = time.perf_counter()
-        try:
-            logits, out = self.fn(shapes, *args)
-        except Exception as e:                 # as the decode step: no compiler here -> uncompiled
-            if not self.compile:
-                raise
-            logging.getLogger(__name__).warning("verify step: torch.compile failed (%s: %s); "
-                                                "running it uncompiled", type(e).__name__, error_line(e))
-            self.compile, self.fn = False, step_.decode_step
-            logits, out = self.fn(shapes, *args)
-        graph = graph_name(B, shapes.flat)
-        if self.compile and graph not in self.compile_s:
-            self.compile_s[graph] = time.perf_counter() - t0
-            if self.log:
-                self.log(f"verify step (T={self.T}) compiled for batch {graph} in "
-                         f"{self.compile_s[graph]:.1f} s")
+        logits, out = run_step(self, f"verify step (T={self.T})", step_.decode_step, (shapes, *args),
+                               graph_name(B, shapes.flat))
         return logits, out.pop("taps"), out
 
     def commit(self, ids, states: list[SequenceState], out: dict, keep: list[int]) -> None:
