@@ -1,6 +1,7 @@
 """Ahead-of-time build and lazy load of the compiled kernels (``csrc/codecs.cpp``, which includes
-``mhc.h``, ``rope.h``, ``index.h`` and ``attend.h``: the KV codecs, the mHC mixes, the RoPE
-rotation, the indexer's scores and top-k, and the sparse attention).
+``mhc.h``, ``rope.h``, ``index.h``, ``attend.h``, ``attend_packed.h`` and ``dispatch.h``: the KV
+codecs, the mHC mixes, the RoPE rotation, the indexer's scores and top-k, the sparse attention, and
+the CPU kernels of the custom ops ``torch.ops.cedlm.*``).
 
     python -m cedlm.kernels.build            # ./setup.sh runs this; 1-2 minutes of CPU
     python -m cedlm.kernels.build status     # built? where? loadable?
@@ -49,7 +50,7 @@ ISA_VAR = "CEDLM_KERNEL_ISA"
 ISAS = ("auto", "sse2", "generic")
 # No -ffast-math, no FP contraction, no -march=native (the build may be copied to another CPU).
 CFLAGS = ["-O3", "-fno-fast-math", "-ffp-contract=off", "-fno-finite-math-only"]
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 
 def isa(value: str | None = None) -> str:

@@ -33,7 +33,7 @@ from . import tables
 
 __all__ = ["ENV_VAR", "reference_kernels", "set_reference_kernels", "reference_kernels_forced",
            "set_fast_backend", "fast_backend", "active_backend", "compiled", "compiled_status",
-           "ext_op", "inference_op"]
+           "ext_op", "inference_op", "on_compiled"]
 
 log = logging.getLogger("cedlm.quant")
 
@@ -57,6 +57,7 @@ def set_reference_kernels(on: bool) -> bool:
     """Force (True) or release (False) the reference kernels; returns the previous setting."""
     global _FORCE_REFERENCE
     prev, _FORCE_REFERENCE = _FORCE_REFERENCE, bool(on)
+    _sync_ops()
     return prev
 
 
@@ -100,7 +101,32 @@ def compiled():
             log.warning("cedlm.quant: compiled KV codecs unavailable (%s); using the vectorised "
                         "torch fast path", why)
         _ext_state["module"], _ext_state["why"] = mod, why
+        if mod is not None:
+            for fn in _ON_LOAD:
+                fn(mod)
+            _sync_ops()
     return _ext_state["module"]
+
+
+_ON_LOAD: list = []
+
+
+def on_compiled(fn) -> None:
+    """Run ``fn(module)`` once the compiled module is loaded and accepted (now, if it already
+    is): ``ops.py`` registers the custom ops' CPU kernels with torch's dispatcher this way."""
+    _ON_LOAD.append(fn)
+    mod = _ext_state.get("module")
+    if mod is not None:
+        fn(mod)
+        _sync_ops()
+
+
+def _sync_ops() -> None:
+    """Tell the module's dispatcher kernels (``csrc/dispatch.h``) whether they run the compiled
+    code (the active backend is "ext") or call the ops' Python kernels."""
+    mod = _ext_state.get("module")
+    if mod is not None:
+        mod.set_ops_enabled(not _FORCE_REFERENCE and _backend != "torch")
 
 
 def compiled_status() -> str:
@@ -118,6 +144,7 @@ def set_fast_backend(name: str) -> str:
     if name == "ext" and compiled() is None:
         raise RuntimeError(f"cedlm.kernels: compiled kernels unavailable: {_ext_state['why']}")
     prev, _backend = _backend, name
+    _sync_ops()
     return prev
 
 

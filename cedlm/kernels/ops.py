@@ -5,12 +5,16 @@ one opaque call instead of breaking its graph at a pybind function.
 Each op runs the compiled kernel when the gate allows it (``gate.ext_op``: built, not forced to
 the reference, every tensor on the CPU) and otherwise the same torch code as the eager path, so a
 graph traced with the kernels missing still runs and agrees. The ops are defined with
-``torch.library.Library`` with one Python kernel registered for the CPU and for CUDA (on CUDA the
-gate always answers "torch path": the C++ kernels are CPU-only), and a fake (meta)
-implementation that gives torch.compile and ``FakeTensorMode`` the output shapes, dtypes and
-device (a few microseconds of dispatch, measured against about 45 for
-``torch.library.custom_op``, whose autograd wrapper these inference-only ops do not need); they
-call the extension's functions directly. The codec ops are bit-identical to
+``torch.library.Library`` with one Python kernel each, registered under
+``CompositeExplicitAutograd`` (every device; on CUDA the gate always answers "torch path": the C++
+kernels are CPU-only), and a fake (meta) implementation that gives torch.compile and
+``FakeTensorMode`` the output shapes, dtypes and device (a few microseconds of dispatch, measured
+against about 45 for ``torch.library.custom_op``, whose autograd wrapper these inference-only ops
+do not need); they call the extension's functions directly. Once the compiled module is loaded,
+it registers a CPU kernel of each op with the dispatcher (``csrc/dispatch.h``, through
+``gate.on_compiled``), which the dispatcher prefers for CPU tensors: the steps' generated C++
+then calls the kernels without entering the interpreter. Those CPU kernels do what the Python
+kernels below do and call them (under the GIL) in every case the gate does not answer "ext". The codec ops are bit-identical to
 ``cedlm.kernels.encode`` / ``decode`` / ``quant_dequant`` (they call them); the others agree with
 their readable references as the eager fast paths do, and run those very functions, the ones the
 eager model runs, where the kernel does not (``index.py``: ``score_reference``,
@@ -49,7 +53,7 @@ for _schema in _SCHEMAS.values():
     _LIB.define(_schema)
 
 
-_DEVICES = ("CPU", "CUDA")     # the dispatch keys the Python kernels are registered for
+_DEVICES = ("CompositeExplicitAutograd",)   # the Python kernels serve every device
 
 
 def _impl(name):
@@ -209,3 +213,18 @@ def attend_packed(q: Tensor, win_rows: Tensor, win_idx: Tensor, win_valid: Tenso
 def _(q, win_rows, win_idx, win_valid, win_fmt, comp_rows, comp_idx, comp_valid, comp_fmt, sink,
       scale):
     return q.new_empty(q.shape, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- the CPU kernels in C++
+def _register_cpu_kernels(mod) -> None:
+    """Register the compiled module's CPU kernels of these ops (``csrc/dispatch.h``), given every
+    format name the extension codes and the Python kernels above to fall back to."""
+    from cedlm.quant import formats as F
+    names = {n: ext_format(n) for n in (*F.FORMATS, *F.EXTRA_FORMATS)}
+    fallbacks = {"encode": encode, "decode": decode, "quant_dequant": quant_dequant,
+                 "index_score": index_score, "stable_topk": stable_topk, "attend": attend,
+                 "attend_packed": attend_packed}
+    mod.register_ops({n: kb for n, kb in names.items() if kb is not None}, fallbacks)
+
+
+gate.on_compiled(_register_cpu_kernels)

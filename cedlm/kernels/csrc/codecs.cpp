@@ -524,7 +524,10 @@ bool set_avx2(bool on) {
 #endif
 }
 
-int64_t abi_version() { return 8; }
+int64_t abi_version() { return 9; }
+
+#include <torch/library.h>
+#include "dispatch.h"        // the ops of ops.py as CPU kernels of the dispatcher (read its header)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_tables", &set_tables);
@@ -540,5 +543,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_sparse", &attend_sparse);
   m.def("attend_packed", &attend_packed);
   m.def("set_avx2", &set_avx2);
+  m.def("register_ops", &register_ops);
+  m.def("set_ops_enabled", &set_ops_enabled);
   m.def("abi_version", &abi_version);
 }
