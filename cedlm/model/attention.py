@@ -151,7 +151,13 @@ class Attention(nn.Module):
         else:
             o = attend(q, win_k, win_valid, comp_k, comp_valid, self.attn_sink,
                        self.hd ** -0.5, dense=dense)
-        o = self.rope.apply(o, pos.unsqueeze(-1), inverse=True).to(x.dtype)
+        return self.output(o, pos, x.dtype)
+
+    def output(self, o: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The heads' outputs o [B, T, H, hd] at positions pos [B, T] -> [B, T, D]: RoPE undone,
+        then the grouped output projection (the decode, verify and draft steps end the same way)."""
+        B, T = o.shape[:2]
+        o = self.rope.apply(o, pos.unsqueeze(-1), inverse=True).to(dtype)
         # Grouped output: heads split into G contiguous groups, each projected to o_lora_rank.
         o = o.reshape(B, T, self.G, self.H // self.G * self.hd)                 # [B, T, G, H/G*hd]
         wa = self.wo_a.weight.view(self.G, -1, o.shape[-1])                     # [G, r, H/G*hd]

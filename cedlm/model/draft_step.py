@@ -81,15 +81,13 @@ def _attention(attn, x, pos, ring, win_idx, win_valid, fmt: str):
         q = rms(q, cfg.rms_norm_eps)
     q = attn.rope.apply(q, pos.unsqueeze(-1))
     row = step_.encode_rows(attn.rope.apply(attn.kv_norm(P["wkv"]), pos), fmt)           # [B, T, wb]
-    rows = torch.cat((ring.reshape(B * ring.shape[1], -1), row.reshape(B * T, -1)))
+    rows = step_.unwords(torch.cat((step_.words(ring).reshape(B * ring.shape[1], -1),
+                                    step_.words(row).reshape(B * T, -1))))
     o = cedlm_ops.attend_packed(q.float(), rows, win_idx, win_valid, fmt, rows[:1],
                                 torch.zeros(B, T, 0, dtype=torch.int64, device=x.device),
                                 torch.zeros(B, T, 0, dtype=torch.bool, device=x.device), fmt,
                                 attn.attn_sink.float(), attn.hd ** -0.5)
-    o = attn.rope.apply(o, pos.unsqueeze(-1), inverse=True).to(x.dtype)
-    o = o.reshape(B, T, attn.G, attn.H // attn.G * attn.hd)
-    wa = attn.wo_a.weight.view(attn.G, -1, o.shape[-1])
-    return attn.wo_b(torch.einsum("btgi,gri->btgr", o, wa).flatten(2))
+    return attn.output(o, pos, x.dtype)
 
 
 # decode step -> DraftStep; weak, so the graphs go with the model's decode step

@@ -141,17 +141,13 @@ def draft_attention(attn: Attention, x: torch.Tensor, pos: torch.Tensor, ctx_k: 
     """Attention of the block rows x [B, T, D] at pos [B, T] over [context keys ctx_k [B, C, hd]
     || the block's own window rows]; valid [B, T, C + T] says which keys each row sees."""
     cfg = attn.cfg
-    B, T, _ = x.shape
     q = attn.wq_b(attn.q_norm(attn.wq_a(x))).unflatten(-1, (attn.H, attn.hd))
     if cfg.q_head_norm:
         q = rms(q, cfg.rms_norm_eps)
     q = attn.rope.apply(q, pos.unsqueeze(-1))
     keys = torch.cat((ctx_k.float(), attn.window_rows(x, pos).float()), 1)
     o = attend(q, keys, valid, None, None, attn.attn_sink, attn.hd ** -0.5, dense=True)
-    o = attn.rope.apply(o, pos.unsqueeze(-1), inverse=True).to(x.dtype)
-    o = o.reshape(B, T, attn.G, attn.H // attn.G * attn.hd)
-    wa = attn.wo_a.weight.view(attn.G, -1, o.shape[-1])
-    return attn.wo_b(torch.einsum("btgi,gri->btgr", o, wa).flatten(2))
+    return attn.output(o, pos, x.dtype)
 
 
 def blocks_forward(model, ids: torch.Tensor, pos: torch.Tensor, ctx: list[torch.Tensor],
