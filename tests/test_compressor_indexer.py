@@ -8,7 +8,8 @@ import torch
 
 from cedlm.config import ModelConfig
 from cedlm.model.compressor import Compressor
-from cedlm.model.indexer import Indexer, candidate_pool, stable_topk, topk_entries
+from cedlm.model.indexer import (Indexer, candidate_entries, candidate_pool, stable_topk,
+                                 topk_entries)
 
 NEG = float("-inf")
 
@@ -310,6 +311,33 @@ def test_candidate_pool_matches_reference(seed):
                 got = pool[b, t, :vis].tolist()
                 assert got == [i // block in keep for i in range(vis)], (b, t, topk_blocks)
                 assert not pool[b, t][[i // block not in keep for i in range(N)]].any()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_candidate_entries_are_the_pool(seed):
+    """The static step's Reindex scores only `candidate_entries`: ascending indices below N,
+    marked exactly where the pool mask and visibility are, and the top-k over those slots,
+    mapped back, is the reference's top-k over the masked scores."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, N, block = 2, 4, 23, 3                  # N not a multiple of block: the last block is cut
+    n_vis = torch.randint(0, N + 1, (B, T), generator=g)
+    n_vis[1, 0] = N
+    visible = torch.arange(N) < n_vis.unsqueeze(-1)
+    s = torch.randint(0, 4, (B, T, N), generator=g).float().masked_fill(~visible, NEG)   # ties
+    for topk_blocks in (1, 3, 20):
+        pool = candidate_pool(s, n_vis, block, topk_blocks)
+        at, ok = candidate_entries(s, n_vis, block, topk_blocks)
+        assert at.shape == ok.shape == (B, T, min(topk_blocks, -(-N // block)) * block)
+        assert (at < N).all() and (at.diff(dim=-1) >= 0).all()
+        marked = torch.zeros(B, T, N).scatter_add_(-1, at, ok.float())   # a cut block's tail: N - 1 again
+        assert torch.equal(marked > 0, pool & visible) and marked.max() <= 1
+        for k in (1, 4):
+            ref_idx, ref_ok = topk_entries(s.masked_fill(~pool, NEG), k)
+            c_idx, c_ok = topk_entries(torch.gather(s, -1, at).masked_fill(~ok, NEG), k)
+            c_idx = at.gather(-1, c_idx)
+            for b in range(B):
+                for t in range(T):
+                    assert ref_idx[b, t][ref_ok[b, t]].tolist() == c_idx[b, t][c_ok[b, t]].tolist()
 
 
 def test_candidate_pool_with_nothing_visible_is_empty():

@@ -41,9 +41,10 @@ def stable_topk(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return kernels_index.topk_reference(score, k)       # a stable sort of the reversed scores
 
 
-def candidate_pool(score: torch.Tensor, n_visible: torch.Tensor, block: int, topk_blocks: int
-                   ) -> torch.Tensor:
-    """score [B, T, N] (-inf where invisible), n_visible [B, T] -> pool mask [B, T, N] bool."""
+def candidate_blocks(score: torch.Tensor, n_visible: torch.Tensor, block: int, topk_blocks: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """score [B, T, N] (-inf where invisible), n_visible [B, T] -> the pool's blocks (ids
+    [B, T, kb] in ascending order, kb = min(topk_blocks, blocks), and whether each is kept)."""
     B, T, N = score.shape
     nb = -(-N // block)
     padded = torch.full((B, T, nb * block), NEG, device=score.device)
@@ -52,9 +53,29 @@ def candidate_pool(score: torch.Tensor, n_visible: torch.Tensor, block: int, top
     newest = ((n_visible - 1).clamp_min(0) // block).unsqueeze(-1)
     bscore = bscore.scatter(-1, newest, torch.where(n_visible > 0, float("inf"), NEG).unsqueeze(-1))
     ids, vals = stable_topk(bscore, min(topk_blocks, nb))
-    keep = torch.zeros(B, T, nb, dtype=torch.bool, device=score.device)
-    keep.scatter_(-1, ids, vals > NEG)
+    ids, order = ids.sort(-1)
+    return ids, (vals > NEG).gather(-1, order)
+
+
+def candidate_pool(score: torch.Tensor, n_visible: torch.Tensor, block: int, topk_blocks: int
+                   ) -> torch.Tensor:
+    """score [B, T, N] (-inf where invisible), n_visible [B, T] -> pool mask [B, T, N] bool."""
+    B, T, N = score.shape
+    ids, kept = candidate_blocks(score, n_visible, block, topk_blocks)
+    keep = torch.zeros(B, T, -(-N // block), dtype=torch.bool, device=score.device)
+    keep.scatter_(-1, ids, kept)
     return keep.repeat_interleave(block, dim=-1)[..., :N]
+
+
+def candidate_entries(score: torch.Tensor, n_visible: torch.Tensor, block: int, topk_blocks: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool as its entries: (indices [B, T, kb * block] ascending, each < N, and whether
+    the entry is in the pool and visible), for a Reindex layer that scores only those."""
+    N = score.shape[-1]
+    ids, kept = candidate_blocks(score, n_visible, block, topk_blocks)
+    at = (ids.unsqueeze(-1) * block + torch.arange(block, device=ids.device)).flatten(-2)
+    ok = kept.repeat_interleave(block, dim=-1) & (at < n_visible.unsqueeze(-1))
+    return at.clamp(max=N - 1), ok
 
 
 def topk_entries(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,8 @@ the same token's logits from tensors whose shapes do not depend on the data:
 - attention: one kernel over the packed bytes (`attend_packed`): the window ring rows (FP8) and
   the selected entries (FP4, gathered: k rows) are decoded inside its loop.
 - indexer: scores over every slot of the padded pool (-inf where invisible), a fixed top-k with a
-  validity mask; the candidate pool and Reindex restriction as in `indexer.py`.
+  validity mask; the candidate pool as in `indexer.py`, a Reindex layer scoring only the pool's
+  entries (gathered: candidate_topk_blocks x candidate_block_size keys, not the context).
 - MoE: the router's top-k experts gathered from stacked weights ([E, ...] per projection).
 
 Nothing here synchronises with the host (no .item(), .tolist() or branch on a value). The host
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from cedlm.kernels import ops as _ops  # noqa: F401  (registers torch.ops.cedlm.*)
-from cedlm.model.indexer import NEG, candidate_pool
+from cedlm.model.indexer import NEG, candidate_entries
 from cedlm.model.mhc import collapse, expand, first_pre
 from cedlm.model.norm import rms
 
@@ -300,33 +301,49 @@ def _compress(shapes, attn, P, p1, pools, table, counts, pending, out):
 
 
 def _select(shapes, ix, P, p1, comp, pool_sel, out):
-    """`Indexer.select` for the call's query rows (one per token), over the padded entries."""
+    """`Indexer.select` for the call's query rows (one per token), over the padded entries. On a
+    Reindex layer only the candidate pool's entries are scored (`pool_sel`: the candidate
+    source's `candidate_entries`); the reference scores every entry and masks all but the pool:
+    the same scores for the pool's entries (a score depends on its key alone), so the same
+    selection, at the pool's cost instead of the context's."""
     cfg = shapes.cfg
     src = ix.keys_src
     n_vis = comp[src][0]                                                         # [B, T]
     raw, key, n = out["idx_rows"][src]
     B, T = n_vis.shape
-    N = raw.shape[1]
-    at = torch.arange(N, device=raw.device).view(1, 1, N)
     q = P["ix_q"].unflatten(-1, (ix.h, ix.d))                  # `Indexer.queries`, from the products
     w = P["ix_w"].float() * (ix.d ** -0.5 * ix.h ** -0.5)
     q = _round(ix.rope.apply(q, p1.unsqueeze(-1)), shapes.idx_fmt[src]).contiguous()
+    cand = cfg.candidate_source_layer_id
+    reindex = (pool_sel is not None and ix.layer_id != cand and cand is not None
+               and cfg.kv_source_of(cand) == src)
     # the stored keys straight from their bytes; the keys this call completed (not stored yet)
     # scored here and put at their indices n, n + 1, ... for the rows that see them
-    score = cedlm_ops.index_score(q, w.float().contiguous(), raw,
-                                  (at < n.view(-1, 1, 1)).expand(B, T, N), shapes.idx_fmt[src])
+    if reindex:
+        at, ok = pool_sel                                                        # [B, T, M]
+        M, wk = at.shape[-1], words(raw)
+        keys = unwords(wk.gather(1, at.reshape(B, T * M, 1).expand(-1, -1, wk.shape[-1])))
+        stored = (ok & (at < n.view(-1, 1, 1))).reshape(B * T, 1, M)
+        score = cedlm_ops.index_score(q.reshape(B * T, 1, ix.h, ix.d), w.reshape(B * T, 1, ix.h),
+                                      keys.reshape(B * T, M, -1), stored,
+                                      shapes.idx_fmt[src]).view(B, T, M)
+    else:
+        N = raw.shape[1]
+        at = torch.arange(N, device=raw.device).view(1, 1, N)
+        score = cedlm_ops.index_score(q, w, raw, (at < n.view(-1, 1, 1)).expand(B, T, N),
+                                      shapes.idx_fmt[src])
     new = (torch.einsum("bthd,bgd->btgh", q, key).relu() * w.unsqueeze(2)).sum(-1)   # [B, T, G]
-    off = at - n.view(-1, 1, 1)                                                  # [B, 1, N]
-    seen = (off >= 0) & (off < (n_vis - n.view(-1, 1)).unsqueeze(-1))             # [B, T, N]
-    made = new.gather(-1, off.clamp(0, new.shape[-1] - 1).expand(B, T, N))
+    off = at - n.view(-1, 1, 1)                                                  # [B, 1 or T, N or M]
+    seen = (off >= 0) & (off < (n_vis - n.view(-1, 1)).unsqueeze(-1))             # [B, T, N or M]
+    made = new.gather(-1, off.clamp(0, new.shape[-1] - 1).expand(B, T, -1))
     score = torch.where(seen, made, score)
-    cand = cfg.candidate_source_layer_id
-    if ix.layer_id == cand:
-        pool_sel = candidate_pool(score, n_vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)
-    elif pool_sel is not None and cand is not None and cfg.kv_source_of(cand) == src:
-        score = score.masked_fill(~pool_sel, NEG)
-    k = min(cfg.index_topk, N)
-    idx, vals = cedlm_ops.stable_topk(score.contiguous(), k)
+    if reindex:
+        score = score.masked_fill(~ok, NEG)
+    elif ix.layer_id == cand:
+        pool_sel = candidate_entries(score, n_vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+    idx, vals = cedlm_ops.stable_topk(score.contiguous(), min(cfg.index_topk, score.shape[-1]))
+    if reindex:
+        idx = at.gather(-1, idx)                                 # pool slots -> entry indices
     out["topk"][ix.layer_id] = (idx, vals > NEG)
     return pool_sel
 

@@ -111,6 +111,14 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
   return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
+// hsum8 of four accumulators at once, in the same order: two rounds of pairwise adds within each
+// 128-bit half give ((0+1)+(2+3)) and ((4+5)+(6+7)) of each, then the halves are added.
+__attribute__((target("avx2,fma"))) inline void hsum8x4(__m256 a, __m256 b, __m256 c, __m256 e,
+                                                        float* d) {
+  const __m256 q = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, e));
+  _mm_store_ps(d, _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
+}
+
 __attribute__((target("avx2,fma")))
 inline void score_tile_avx2(const float* q, const float* w, const uint8_t* vis, float* out,
                             int64_t T, int64_t H, int64_t D, int64_t N, int64_t a, int64_t b,
@@ -135,10 +143,12 @@ inline void score_tile_avx2(const float* q, const float* w, const uint8_t* vis, 
           c2 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 2 * D + j), kv, c2);
           c3 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 3 * D + j), kv, c3);
         }
-        s = s + relu(hsum8(c0)) * wt[h];
-        s = s + relu(hsum8(c1)) * wt[h + 1];
-        s = s + relu(hsum8(c2)) * wt[h + 2];
-        s = s + relu(hsum8(c3)) * wt[h + 3];
+        alignas(16) float d[4];
+        hsum8x4(c0, c1, c2, c3, d);
+        s = s + relu(d[0]) * wt[h];
+        s = s + relu(d[1]) * wt[h + 1];
+        s = s + relu(d[2]) * wt[h + 2];
+        s = s + relu(d[3]) * wt[h + 3];
       }
       for (; h < H; ++h) {
         __m256 c = _mm256_setzero_ps();
