@@ -109,6 +109,13 @@ class Indexer(nn.Module):
     def has_keys(self) -> bool:
         return hasattr(self, "wk")
 
+    @property
+    def in_pool(self) -> bool:
+        """Whether this layer selects inside the candidate pool (Reindex): it is not the
+        candidate source and scores the candidate source's KV source."""
+        cand = self.cfg.candidate_source_layer_id
+        return cand is not None and self.layer_id != cand and self.cfg.kv_source_of(cand) == self.keys_src
+
     # ---------------------------------------------------------------- keys
     def keys(self, latent: torch.Tensor) -> torch.Tensor:
         """Compressed latents [.., hd] -> index keys before RoPE [.., d]."""
@@ -163,7 +170,7 @@ class Indexer(nn.Module):
         if self.layer_id == cand:
             sel.pool = candidate_pool(score.detach(), visible.sum(-1), cfg.candidate_block_size,
                                       cfg.candidate_topk_blocks)
-        elif sel.pool is not None and cand is not None and cfg.kv_source_of(cand) == self.keys_src:
+        elif sel.pool is not None and self.in_pool:
             score = score.masked_fill(~sel.pool, NEG)               # Reindex: inside the pool
         sel.topk[self.layer_id] = topk_entries(score.detach(), cfg.index_topk)
         if self.decisions is not None:                               # recorded / replayed (decisions.py)

@@ -314,9 +314,7 @@ def _select(shapes, ix, P, p1, comp, pool_sel, out):
     q = P["ix_q"].unflatten(-1, (ix.h, ix.d))                  # `Indexer.queries`, from the products
     w = P["ix_w"].float() * (ix.d ** -0.5 * ix.h ** -0.5)
     q = _round(ix.rope.apply(q, p1.unsqueeze(-1)), shapes.idx_fmt[src]).contiguous()
-    cand = cfg.candidate_source_layer_id
-    reindex = (pool_sel is not None and ix.layer_id != cand and cand is not None
-               and cfg.kv_source_of(cand) == src)
+    reindex = pool_sel is not None and ix.in_pool
     # the stored keys straight from their bytes; the keys this call completed (not stored yet)
     # scored here and put at their indices n, n + 1, ... for the rows that see them
     if reindex:
@@ -339,7 +337,7 @@ def _select(shapes, ix, P, p1, comp, pool_sel, out):
     score = torch.where(seen, made, score)
     if reindex:
         score = score.masked_fill(~ok, NEG)
-    elif ix.layer_id == cand:
+    elif ix.layer_id == cfg.candidate_source_layer_id:
         pool_sel = candidate_entries(score, n_vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)
     idx, vals = cedlm_ops.stable_topk(score.contiguous(), min(cfg.index_topk, score.shape[-1]))
     if reindex:

@@ -205,6 +205,17 @@ inline void decode_row_fp4_avx2(const uint8_t* br, int64_t kind, int64_t dim, in
 }
 #endif
 
+// One key row for the index scorer: decode_row, or its 8-wide twin where `avx2` (the caller's
+// choice: the AVX2 scorer, an FP4 kind, block % 8 == 0).
+inline void decode_key_row(bool avx2, const uint8_t* br, int64_t kind, int64_t dim, int64_t block,
+                           float* orow) {
+#ifdef CEDLM_INDEX_AVX2
+  if (avx2) return decode_row_fp4_avx2(br, kind, dim, block, orow);
+#endif
+  (void)avx2;
+  decode_row(br, kind, dim, block, orow);
+}
+
 void check_tables() {
   TORCH_CHECK(T.e2m1_code != nullptr, "cedlm codec extension: set_tables() was not called");
 }
@@ -468,7 +479,6 @@ torch::Tensor index_score(torch::Tensor q, torch::Tensor w, torch::Tensor keys,
   const bool fast4 = tile == cedlm_index::score_tile_avx2 && kind != WINDOW_FP8 && block % 8 == 0;
 #else
   const bool fast4 = false;
-  auto decode_row_fp4_avx2 = decode_row;
 #endif
   // work items: (sequence, tile of keys); each writes its own columns of out
   at::parallel_for(0, B * tiles, std::max<int64_t>(1, 64 / std::max<int64_t>(Tq, 1)),
@@ -479,10 +489,7 @@ torch::Tensor index_score(torch::Tensor q, torch::Tensor w, torch::Tensor keys,
       const uint8_t* kb = kp + b * ks0;
       cedlm_index::score_rows(qp + b * Tq * H * D, wp + b * Tq * H, vp + b * Tq * N,
                               op + b * Tq * N, Tq, H, D, N, n0, n1, tile,
-                              [&](int64_t n, float* dst) {
-                                if (fast4) decode_row_fp4_avx2(kb + n * ks1, kind, D, block, dst);
-                                else decode_row(kb + n * ks1, kind, D, block, dst);
-                              });
+                              [&](int64_t n, float* dst) { decode_key_row(fast4, kb + n * ks1, kind, D, block, dst); });
     }
   });
   return out;
