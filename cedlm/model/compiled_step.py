@@ -391,6 +391,11 @@ class CompiledDecode:
             for k in kinds:
                 bufs = [rows(st, k).blocks()[0][0] for st in states]
                 cap = max(max(b.shape[0] for b in bufs), self.model.cfg.index_topk)
+                # a whole number of candidate blocks: the graph's candidate-block view of N =
+                # blocks x cap entries guards on N % candidate_block_size, and a cap that broke
+                # it recompiled the batch >= 2 graph (minutes) when the rows grew past a block
+                cb = self.model.cfg.candidate_block_size or 1
+                cap = -(-cap // cb) * cb
                 pool = torch.zeros(len(bufs), cap, bufs[0].shape[1], dtype=torch.uint8, device=dev)
                 for b, buf in enumerate(bufs):
                     pool[b, : buf.shape[0]] = buf
