@@ -174,8 +174,9 @@ def test_quick_smoke(tmp_path, capsys):
 @pytest.mark.compiled
 def test_quick_compiled_step(tmp_path):
     """`cedlm bench --quick` through the compiled decode step (the engine default): torch.compile
-    of the batch-1 and batch >= 2 graphs (a few minutes on one core the first time; cached on disk
-    after), compiled for real, not fallen back to the static step."""
+    of the batch-1 graph both figures time (216-252 s cold on this 2-core machine; cached on disk
+    after; the batch >= 2 graph is compiled in tests/test_compiled_step.py), compiled for real,
+    not fallen back to the static step."""
     out = tmp_path / "quick"
     rc = cli.main(["--quick", "--only", "step_ops,decode", "--out", str(out), "--no-install",
                    "--threads", "1", "--decode-step", "compiled"])
