@@ -1,4 +1,4 @@
-"""The chat page in a real headless browser (issue 30 item 6): Debian's `chromium`, driven over the
+"""The chat page in a real headless browser: Debian's `chromium`, driven over the
 DevTools protocol with `websocket-client` (pinned in the test extra; no browser download),
 against `cedlm serve` with the shipped model (it has a vision tower).
 

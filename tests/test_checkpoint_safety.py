@@ -1,4 +1,4 @@
-"""`--resume` reads training_state.pt with torch.load(weights_only=True) (issue 15, finding 12).
+"""`--resume` reads training_state.pt with torch.load(weights_only=True).
 
 A crafted checkpoint must be refused before any of its code runs; what `cedlm train` writes
 (tensors, plain values, numpy RNG state stored as a tensor) must still load and restore the RNGs
@@ -112,7 +112,7 @@ def test_a_gaussian_cached_in_numpys_legacy_rng_survives(tmp_path):
 
 
 def test_a_checkpoint_from_before_still_loads(tmp_path):
-    """Written before this change: numpy's legacy RNG state as its own tuple with an ndarray."""
+    """The older format: numpy's legacy RNG state as its own tuple with an ndarray."""
     legacy = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     got = ts.load_training_state(_ckpt(tmp_path, _state(legacy)))
     assert isinstance(got["rng"][0]["numpy"][1], np.ndarray)

@@ -1,4 +1,4 @@
-"""Issue 30 item 8, the command line's part: a mistyped sub-command flag is reported with that
+"""Clear command-line errors: a mistyped sub-command flag is reported with that
 sub-command's usage; a missing model dir and an empty text file are one error line, no traceback;
 the shipped model card describes the drafter it ships."""
 from __future__ import annotations

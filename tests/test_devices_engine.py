@@ -1,4 +1,4 @@
-"""Issue 31, the device option: `--device` / `LLM(device=...)` on serve, generate, train, eval and
+"""The device option: `--device` / `LLM(device=...)` on serve, generate, train, eval and
 bench (auto: CUDA when available, else the CPU; checked before the model loads; printed at start),
 and the engine's own tensors (sampler, generators, speculative decoding, prompt scoring,
 constrained decoding) built on the device of what they meet: checked on the CPU under

@@ -1,4 +1,4 @@
-"""guidellm (0.8.1) against `cedlm serve` (issue 30 item 1): a few seconds of its streaming chat
+"""guidellm (0.8.1) against `cedlm serve`: a few seconds of its streaming chat
 load (synchronous profile, synthetic 32-token prompts, 16 output tokens), which sends
 `stream_options: {"include_usage": true, "continuous_usage_stats": true}`. Every request must
 succeed and guidellm must have measured time to first token and inter-token latency.

@@ -1,4 +1,4 @@
-"""Issue 26: hostile inputs, each sent beside a running bystander stream.
+"""Hostile inputs, each sent beside a running bystander stream.
 
 For every item the test asserts that the process lives (the server still answers), that the
 bystander's greedy stream is identical to running it alone, and that the KV blocks return to 0.
@@ -68,7 +68,7 @@ def beside_bystander(app, base, alone, hostile):
 
 
 def deep_defs(n: int) -> dict:
-    """Issue 26's repro: a $defs chain of n nested objects."""
+    """The crashing schema: a $defs chain of n nested objects."""
     d = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["a"]}
          for i in range(n)}
     d[f"d{n}"] = {"type": "integer"}
@@ -112,8 +112,8 @@ def test_ref_chain_limit():
 
 
 def test_a_compiler_crash_costs_only_that_request(hostile_app, monkeypatch):
-    """With the bounds lifted, the 1,000-level repro crashes llguidance (a segfault in this
-    process before issue 26): now only the compiler process dies; the request gets a 400 without
+    """With the bounds lifted, the 1,000-level repro crashes llguidance (a segfault, which
+    would take the server down if it compiled in-process): only the compiler process dies; the request gets a 400 without
     internal text, the bystander streams on, and the next constraint compiles."""
     app, base, alone = hostile_app
     monkeypatch.setattr(grammar_limits, "MAX_SCHEMA_DEPTH", 10**6)
@@ -153,7 +153,7 @@ def test_grammar_error_messages_carry_no_internal_text():
 def test_prompt_scoring_runs_the_decoder_chunk_by_chunk_with_the_same_logprobs():
     """The engine scores a prompt a chunk of decoder rows at a time (memory linear in the prompt,
     RELIABILITY.md has the figures); the logprobs, ranks and top-k equal the one-shot pass's
-    (every prompt row through the decoder at once, the path before issue 26), and so do the
+    (every prompt row through the decoder at once), and so do the
     tokens generated after it."""
     import torch
 
@@ -290,7 +290,7 @@ def test_one_request_cannot_take_every_slot(hostile_app):
 
 
 def test_a_request_of_many_prompts_leaves_a_fair_share_to_a_bystander():
-    """Fair share (issue 26 item 6): a request of 16 prompts on 8 slots runs at most 4 of its
+    """Fair share: a request of 16 prompts on 8 slots runs at most 4 of its
     sequences at once (the scheduler's per-owner share), so a 4-token request sent while it runs
     is admitted at once and done while the big one still runs; the big request's outputs equal
     running it alone, and the KV blocks return to 0."""

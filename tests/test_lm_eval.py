@@ -1,4 +1,4 @@
-"""lm-evaluation-harness against a live `cedlm serve` (issue 14): `local-completions`.
+"""lm-evaluation-harness against a live `cedlm serve`: `local-completions`.
 
 A `cedlm serve` subprocess serves the shipped default model; lm-eval's `local-completions` backend
 (pinned in the `test` extra) runs two tasks defined here, offline, from a task directory and

@@ -1,4 +1,4 @@
-"""The Responses API (POST /v1/responses, issue 30), driven by the real `openai` client's
+"""The Responses API (POST /v1/responses), driven by the real `openai` client's
 `responses.create` and `responses.stream` against an in-process server on the `tiny` preset
 (random weights), as in tests/test_server.py. The answers are compared with the chat completion
 the request stands for (same prompt, greedy), so the translation is checked, not the text.

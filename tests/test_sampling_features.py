@@ -1,4 +1,4 @@
-"""Issue 14, engine side: prompt logprobs, n / best_of, penalties, logit_bias, allowed_token_ids,
+"""vLLM / OpenAI sampling features, engine side: prompt logprobs, n / best_of, penalties, logit_bias, allowed_token_ids,
 logits processors, LLM.chat, plain-Python outputs, `cedlm generate` errors, `cedlm bench` not
 installing anything unasked."""
 import math

@@ -167,7 +167,7 @@ def test_prefix_hit_skips_cached_tokens():
     assert out.prefills == [(r, 3)] and r.num_cached_tokens == 8
 
 
-# ------------------------------------------------------------------ fair scheduling (issue 15, finding 8)
+# ------------------------------------------------------------------ fair scheduling
 def check_plan(s, a, out):
     """Every planned position has its block, and the pool is never over-committed."""
     assert a.nfree >= 0
@@ -343,7 +343,7 @@ def test_lookahead_is_reserved_through_the_scheduler_and_released():
 
 
 def test_one_owner_runs_at_most_its_share_and_a_bystander_is_admitted_at_once():
-    """Fair share (issue 26 item 6): the 16 prompts of one request (one owner) run at most
+    """Fair share: the 16 prompts of one request (one owner) run at most
     `max_seqs_per_owner` (half of 8 slots) at a time; a small request arriving behind all of
     them is admitted at the next step, and the big request's prompts still all finish."""
     a = FakeAlloc(1000, 4)

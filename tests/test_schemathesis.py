@@ -1,4 +1,4 @@
-"""The server against its own OpenAPI schema, fuzzed by schemathesis (issue 15).
+"""The server against its own OpenAPI schema, fuzzed by schemathesis.
 
 The app runs in-process over ASGI (schemathesis starts its lifespan, so the engine thread runs),
 serving the `tiny` preset with a short context and a one-token default `max_tokens`, so that any
@@ -10,7 +10,7 @@ every run, as CI needs). Every response must pass:
 - `not_a_server_error`: no 5xx (but the documented 501 of a Responses feature cedlm does not serve);
 - `status_code_conformance`: the status is one the schema documents for that operation;
 - `response_schema_conformance`: the body matches the documented schema of that status;
-- `positive_data_acceptance` (issue 26 item 9): a request valid under the published schema is
+- `positive_data_acceptance`: a request valid under the published schema is
   accepted (no 400), on every operation but `/v1/responses`; the exception is a 400 whose code
   names a rule between fields or a run-time limit that the operation's description documents
   (`openapi_rules.RUNTIME_CODES`: JSON schema cannot state them).
@@ -66,7 +66,7 @@ CHECKED: collections.Counter = collections.Counter()
 def schema_valid_is_accepted(ctx, response, case):
     """positive_data_acceptance, but for a 400 naming a documented rule between fields or a
     run-time limit (its code in RUNTIME_CODES, the rule in the operation's description); the
-    Responses API (another schema, issue 30) is left out."""
+    Responses API (a schema of its own) is left out."""
     CHECKED[f"{case.operation.label} {response.status_code}"] += 1
     if case.operation.path == "/v1/responses":
         return None

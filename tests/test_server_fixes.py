@@ -1,4 +1,4 @@
-"""Issue 30 item 8, the server's part: a forced tool call cut by max_tokens is never plain content,
+"""Server fixes: a forced tool call cut by max_tokens is never plain content,
 and skip_special_tokens is honoured (vLLM's default true), never silently ignored.
 
 The server runs in-process on the `tiny` preset (random weights), as in tests/test_server.py.

@@ -1,6 +1,6 @@
-"""Issue 15, server side: containment, special tokens, limits, errors, cache salt, exposure warning.
+"""Server-side reliability: containment, special tokens, limits, errors, cache salt, exposure warning.
 
-Each test reproduces one finding of the reliability review against the `tiny` preset served over
+Each test reproduces one failure mode against the `tiny` preset served over
 loopback (helpers from tests/test_server.py) and checks the fixed behaviour.
 """
 from __future__ import annotations

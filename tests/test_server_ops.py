@@ -1,4 +1,4 @@
-"""Operating the server (issue 30): requests as load tools send them (guidellm's streaming usage),
+"""Operating the server: requests as load tools send them (guidellm's streaming usage),
 latency histograms, request ids and logs, clear errors for routes cedlm does not serve, the
 version, and the chat page.
 

@@ -1,4 +1,4 @@
-"""vLLM / OpenAI parity of the server (issue 14, server part), driven by the real `openai` client.
+"""vLLM / OpenAI parity of the server, driven by the real `openai` client.
 
 Prompt scoring the way lm-evaluation-harness's `local-completions` asks for it (echo, max_tokens 0
 or 1, logprobs=1, lists of prompts), n / best_of, penalties and logit_bias, refused parameters,

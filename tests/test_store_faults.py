@@ -1,4 +1,4 @@
-"""The store is a cache, never a dependency (issue 15).
+"""The store is a cache, never a dependency.
 
 Every store call site (block put, block get, keys at start-up, session save and restore) fails in
 turn -- injected exceptions, a full disk, Redis down, Redis hung (SIGSTOP) -- and through the engine
@@ -306,7 +306,7 @@ def test_redis_dies_and_comes_back(tmp_path):
         assert _done(outs) and llm.engine.pool.num_used == 0
         assert len(guard.keys()) == 8                          # NEW's blocks written once it was back
         assert _done(llm.generate(WARM[:1], SP))               # WARM's blocks: in memory, not in Redis
-        assert len(guard.keys()) == 13                         # written back (issue 26: never were)
+        assert len(guard.keys()) == 13                         # written back once the store works again
         st = llm.stats()
         assert st["store_breaker_state"] == "closed"
         _record("redis_dies_and_returns", {"blocks_in_use_while_down": used, "store_errors": st["store_errors"],

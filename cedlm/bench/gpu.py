@@ -1,4 +1,4 @@
-"""The GPU figure set (issue 31): one phase per process, then one JSON and one table.
+"""The GPU figure set: one phase per process, then one JSON and one table.
 
 `bench/scripts/gpu_check.sh` runs each phase under its own timeout and records how it ended; a
 phase is

@@ -14,8 +14,8 @@ repeats, every engine's runs of one point interleaved round-robin. Swept over co
 and 32k at batch 1 and 8 (`--quick`: 512 only).
 
 Targets (each context its own, in `targets`; `target` is the worst CED / HF point relative to its
-own): CED / HF >= 2x at 512 (issue 27), >= 1x at 2k and 8k, >= 3x at 32k (issue 9); CED / llama.cpp
-F32 at batch 1 >= 1x at 512 and 2k, >= 1.5x at 8k, >= 3x at 32k (issue 27; F16 reported without a
+own): CED / HF >= 2x at 512, >= 1x at 2k and 8k, >= 3x at 32k; CED / llama.cpp
+F32 at batch 1 >= 1x at 512 and 2k, >= 1.5x at 8k, >= 3x at 32k (F16 reported without a
 target); the weight-read bandwidth fraction of CED at batch 1 and the smallest context >= 0.5:
 (bytes of weights read per token x tokens/s) / this machine's single-thread read bandwidth,
 measured in the run (weight_reads.py), beside llama.cpp's. `ttft`: first-token latency of one
@@ -131,7 +131,7 @@ def hf_generate_from_cache(model, ids, mask, cache, C: int, n: int) -> None:
         cache.crop(-extra)
 
 
-# CED / HF: issue 27 >= 2x at 512; issue 9 >= 1x to 8k, >= 3x at 32k
+# CED / HF: >= 2x at 512, >= 1x to 8k, >= 3x at 32k
 TARGETS = {512: 2.0, 2048: 1.0, 8192: 1.0, 32768: 3.0}
 LLAMA_NA_BATCH = "n/a at batch > 1: llama-cpp-python decodes one sequence"
 # what the figure does not measure on a GPU, and why

@@ -38,8 +38,8 @@ LLAMA_CPP_PIN = f"llama-cpp-python=={LLAMA_CPP_VERSION}"
 # sentencepiece>=0.1.98,<0.3.0)
 SENTENCEPIECE_PIN = "sentencepiece==0.2.3"
 OUTTYPES = ("f32", "f16")
-TARGETS = {512: 1.0, 2048: 1.0, 8192: 1.5, 32768: 3.0}   # CED / llama.cpp F32, batch 1 (issue 27)
-BANDWIDTH_TARGET = 0.5                  # CED's weight-read bandwidth fraction, batch 1 (issue 27)
+TARGETS = {512: 1.0, 2048: 1.0, 8192: 1.5, 32768: 3.0}   # CED / llama.cpp F32, batch 1
+BANDWIDTH_TARGET = 0.5                  # CED's weight-read bandwidth fraction, batch 1
 CONVERTER = "convert_hf_to_gguf.py"
 _VENDOR = "vendor/llama.cpp/"
 

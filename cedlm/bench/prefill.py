@@ -18,7 +18,7 @@ from cedlm.bench.profiling import profile_call
 NAME = "prefill"
 TITLE = "Prefill time of a long prompt"
 CHUNK = 512
-LENGTHS = [8192, 32768]                 # issue 9: <= 0.55 at 8k and at 32k
+LENGTHS = [8192, 32768]                 # target: <= 0.55 at 8k and at 32k
 
 
 def _prompt(ctx: Ctx, vocab: int, S: int) -> torch.Tensor:

@@ -92,13 +92,13 @@ def small40() -> ModelConfig:
 
 
 def retrieval() -> ModelConfig:
-    """A purpose-built small retrieval model (issue 11): the CSA2 roles of `small` (SWA layers, an
+    """A purpose-built small retrieval model: the CSA2 roles of `small` (SWA layers, an
     encoder Full + Reuse group of ratio 2, a decoder led by the ratio-1 global-KV source, which
     is also the candidate source, then Reindex and Reuse layers; Engram, mHC, MoE, a DSpark tap)
     at width 128 and 8 layers, with a short window (32) and a small top-k (16) with a candidate
     pool of 8 blocks of 4. At 256-1024 tokens most compressed entries are then NOT selected, so
     retrieval beyond the window depends on what the lightning indexer selects. Cheap enough to
-    train on a CPU (FIDELITY.md, "Retrieval on a model that can retrieve")."""
+    train on a CPU (FIDELITY.md, "Retrieval beyond the window: a model that can retrieve")."""
     return _scaled(
         vocab_size=4096, hidden_size=128, moe_intermediate_size=128, num_hidden_layers=8,
         num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=64,

@@ -4,8 +4,7 @@ With `--api-key` (or `CEDLM_API_KEY`), every route except `/health`, `/version` 
 at `/` (and `/metrics` when the operator opts in with `--metrics-public`) needs
 `Authorization: Bearer <key>`. The check runs on
 the headers alone, before the body is received or parsed: a client without the key cannot make
-the server read, parse or validate a body (issue 26: bodies were parsed before the key check, and
-`/metrics` was open). A missing or wrong key is a 401 (`errors.unauthorized`).
+the server read, parse or validate a body, and `/metrics` is behind the key too. A missing or wrong key is a 401 (`errors.unauthorized`).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Bounds on a request's output constraint, checked before anything is compiled.
 
 llguidance compiles grammars recursively: a deep enough JSON schema, `$ref` chain or Lark rule
-chain overflows its stack and takes the whole process down (issue 26: a `$defs` chain of 1,000
-nested objects, about 94 KB, segfaulted the server; 700 compiled). A huge `guided_choice` cost
+chain overflows its stack and takes the whole process down (a `$defs` chain of 1,000 nested
+objects, about 94 KB, segfaults llguidance; 700 compile). A huge `guided_choice` cost
 minutes of CPU. `check_constraint(param, kind, value)` measures the constraint with plain
 iterative Python and raises `GrammarLimit` (a 400 naming the limit) when one is exceeded:
 

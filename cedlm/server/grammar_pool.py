@@ -12,7 +12,7 @@ validated grammar string).
 
 Processes start on first use (a server with no structured output starts none) and are reused;
 `close()` ends them, as does the pool's garbage collection; a compiler process
-also ends by itself when the server exits (its stdin closes). Measured cost per request: see RELIABILITY.md (issue 26).
+also ends by itself when the server exits (its stdin closes). Measured cost per request: see RELIABILITY.md.
 """
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 uvicorn closes an idle keep-alive connection after `timeout_keep_alive`, but any byte received
 cancels that timer, and nothing limits how long a request's headers may take: a client sending
-an unfinished header line a byte at a time held its connection for as long as it liked (issue 26:
-70 s and more). `header_timeout_protocol(seconds)` is the h11 protocol class with a timer armed
+an unfinished header line a byte at a time could hold its connection for as long as it liked. `header_timeout_protocol(seconds)` is the h11 protocol class with a timer armed
 while the connection waits for (the rest of) a request's headers: from the connection's start
 and again after each response. When it fires before the headers are complete, the connection is
 closed. The body and the response are not limited here (`max_body_bytes`, the handlers).

@@ -85,7 +85,7 @@ def joint_pretraining(summary: dict) -> list[str]:
               f"| {_share(r.get('token_acc'))} / {_share(r.get('token_acc_init'))} |" for r in rows]
     targets = s.get("joint_targets") or []
     if targets:
-        L += ["", "Targets (cedlm issue 29) and what this model measures:", "",
+        L += ["", "Targets of the joint pretraining run and what this model measures:", "",
               "| target | goal | measured | | why, where missed |", "|---|---|---|---|---|"]
         L += [f"| {t['target']} | {t['goal']} | {t['measured']} | {'met' if t['met'] else '**missed**'} "
               f"| {t.get('why', '')} |" for t in targets]

@@ -215,7 +215,7 @@ class TrainRun:
     loss_fn: object = None                # (x, y) -> mean cross-entropy: compiled or eager
     first_step_s: float | None = None     # wall time of this process's first step
     joint: JointData | None = None        # --mixture: the joint pretraining batches
-    elapsed0: float = 0.0                 # wall time of the run before this process (resume)
+    elapsed0: float = 0.0                 # wall time of earlier processes of this run (resume)
 
     @property
     def master(self) -> bool:

@@ -21,7 +21,7 @@ EFFORT_TIERS: dict[str, int | None] = {
 }
 DEFAULT_THINKING_EFFORT = 75   # thinking requested without an effort (cedlm.text.chat.DEFAULT_EFFORT)
 
-MAX_TEMPERATURE = 1e4          # = cedlm.engine.sampling_params.TEMPERATURE_MAX (float32 overflow, issue 26)
+MAX_TEMPERATURE = 1e4          # = cedlm.engine.sampling_params.TEMPERATURE_MAX (above it, float32 overflows)
 MAX_N = 16                     # n and best_of
 MAX_PROMPTS = 256              # prompts in one /v1/completions request
 MAX_CHOICES = 256              # prompts x max(n, best_of)
