@@ -1,5 +1,5 @@
-"""The `retrieval` preset and `cedlm train indexer --selection dense` (FIDELITY.md, "Retrieval on a
-model that can retrieve")."""
+"""The `retrieval` preset and `cedlm train indexer --selection dense` (FIDELITY.md, "Retrieval beyond
+the window: a model that can retrieve")."""
 from __future__ import annotations
 
 import argparse

@@ -21,8 +21,8 @@ a finished run (the distilled indexer without the run's continued training of th
    With `--selection dense` this phase selects every visible entry instead (the attention of the
    evaluation's dense reference; the indexer's KL is then over every visible entry): it trains a
    model to retrieve before its indexer is distilled (`--kl-weight 0` keeps the indexer at its
-   initialisation), e.g. the `retrieval` preset of FIDELITY.md's "Retrieval on a model that can
-   retrieve". `--repeat-fraction` mixes in sequences whose text repeats a stretch of itself
+   initialisation), e.g. the `retrieval` preset of FIDELITY.md's "Retrieval beyond the window: a
+   model that can retrieve". `--repeat-fraction` mixes in sequences whose text repeats a stretch of itself
    (`cedlm.data.retrieval.repeat_sequence`): copying from context is what retrieval needs, and
    such sequences teach it with far more signal than a few answer tokens.
 
