@@ -180,12 +180,14 @@ def test_throughput_line_only_while_busy():
 
 
 @pytest.mark.parametrize("path,words", [("/v1/embeddings", "embedding"), ("/v1/responses/resp_1", "not stored"),
-                                        ("/v1/audio/transcriptions", "audio"), ("/v1/moderations", "moderation")])
-def test_unsupported_routes_answer_a_clear_501(ops_app, path, words):
+                                        ("/v1/audio/transcriptions", "audio"), ("/v1/moderations", "moderation"),
+                                        ("/v1/images/generations", "image generation")])
+def test_unsupported_routes_answer_a_clear_404(ops_app, path, words):
     r = httpx.post(ops_app[1] + path, json={"model": MODEL, "input": "hi"})
-    assert r.status_code == 501, r.text
+    assert r.status_code == 404, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == "unsupported_endpoint"
+    assert err["type"] == "not_found_error"
     assert words in err["message"] and "not served by cedlm" in err["message"]
     assert "POST /v1/chat/completions" in err["message"]                  # says what it serves
 
@@ -195,7 +197,8 @@ def test_openai_client_embeddings_error_is_clear(ops_app):
     from test_server import client
     with pytest.raises(openai.APIStatusError) as ei:
         client(ops_app[1]).embeddings.create(model=MODEL, input="hello")
-    assert ei.value.status_code == 501 and "embedding" in ei.value.message
+    assert ei.value.status_code == 404 and "embedding" in ei.value.message
+    assert isinstance(ei.value, openai.NotFoundError)
 
 
 def test_unknown_and_wrong_method_routes(ops_app):

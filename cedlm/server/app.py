@@ -3,7 +3,7 @@
 Routes: POST /v1/chat/completions (`chat`), POST /v1/completions (`completions`), POST
 /v1/responses (`responses`: the Responses API, run through the chat path), each streaming over SSE
 or not; GET /v1/models, GET /v1/models/{id}, POST /tokenize and POST /detokenize (vLLM's
-shapes), GET /health, GET /metrics (Prometheus text format), here; GET /version and 501 / 404 for
+shapes), GET /health, GET /metrics (Prometheus text format), here; GET /version and 404 for
 other /v1 routes (`unsupported.py`), the chat page at GET / (`ui/`). Request ids, the per-request
 and throughput log lines: `tracing.py`; latency histograms: `latency.py`. Behaviour follows vLLM's
 OpenAI server where the OpenAI API is silent.
@@ -302,7 +302,7 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     app.include_router(responses.router, dependencies=auth)     # the Responses API, via the chat path
     app.include_router(version_router)
     app.include_router(ui_router)                     # the chat page at / (server/ui/)
-    app.include_router(unsupported_router)            # 501 naming what cedlm serves instead
+    app.include_router(unsupported_router)            # 404 naming what cedlm serves instead
     return app
 
 

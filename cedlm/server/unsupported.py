@@ -2,9 +2,12 @@
 
 Clients probe more of the OpenAI API than cedlm implements (the openai SDK, LangChain, litellm and
 node reach `/v1/embeddings`; `/v1/responses/{id}` for stored responses, which cedlm does not keep). Instead of a bare `404 Not Found`, each
-such route answers `501` in the OpenAI error shape (code `unsupported_endpoint`) with a message
-saying what it is, that cedlm does not serve it, and what it serves (`SERVED`). Any other unknown
-path is a 404 saying what cedlm serves (`not_found_message`, used by errors.py's 404 handler).
+such route answers `404` in the OpenAI error shape (type `not_found_error`, code
+`unsupported_endpoint`) with a message saying what it is, that cedlm does not serve it, and what it
+serves (`SERVED`): a 404, as OpenAI answers a route it does not have, so clients that probe a route
+(and retry or fall back on 404) treat it as absent, never as a server fault (a 5xx). Any other
+unknown path is a 404 saying what cedlm serves (`not_found_message`, used by errors.py's 404
+handler).
 
 `GET /version` answers `{"version": ...}` (vLLM's shape), as `cedlm --version` prints it.
 These routes are left out of the OpenAPI schema except /version.
@@ -51,7 +54,7 @@ UNSUPPORTED: dict[str, str] = {
 
 
 def unsupported_message(method: str, path: str) -> str | None:
-    """The 501 message of an unsupported route, or None when `path` is not one."""
+    """The 404 message of an unsupported route, or None when `path` is not one."""
     why = UNSUPPORTED.get(path)
     if why is None:
         why = next((w for p, w in UNSUPPORTED.items() if p.endswith("/") and path.startswith(p)), None)
@@ -70,9 +73,9 @@ _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 
 async def unsupported(request: Request):
-    """501 naming what the route is and what cedlm serves instead."""
-    raise APIError(501, unsupported_message(request.method, request.url.path) or "not served by cedlm",
-                   type="invalid_request_error", code="unsupported_endpoint")
+    """404 naming what the route is and what cedlm serves instead."""
+    raise APIError(404, unsupported_message(request.method, request.url.path) or "not served by cedlm",
+                   type="not_found_error", code="unsupported_endpoint")
 
 
 for _path in UNSUPPORTED:                      # a prefix ("/v1/audio/") covers everything under it
