@@ -100,7 +100,7 @@ def _umask() -> int:
 # ---------------------------------------------------------------------------------------------
 
 CUDA_INSTALL_HINT = ("install the CUDA build of the same torch: `.venv/bin/pip install torch==2.13.0 "
-                     "--index-url https://download.pytorch.org/whl/cu128` (README, section 'On a GPU')")
+                     "--index-url https://download.pytorch.org/whl/cu128` (docs/gpu.md)")
 
 
 def resolve_device(name=None, field: str = "device"):

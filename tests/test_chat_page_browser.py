@@ -4,7 +4,7 @@ against `cedlm serve` with the shipped model (it has a vision tower).
 
 The page is loaded from the server; a message is typed and sent; the reply streams into the DOM
 and, once finished, equals the non-streaming greedy answer to the same conversation. Then a new
-chat with an image of a handwritten digit (scikit-learn's digits, the README's held-out 7) is sent
+chat with an image of a handwritten digit (scikit-learn's digits, docs/vision.md's held-out 7) is sent
 through the page's file input; the reply equals the API's answer to the same image and names the
 digit. A screenshot is taken (written to `$CEDLM_CHAT_PAGE_SCREENSHOT` when set: that is how
 docs/chat-page.png is made).
@@ -31,7 +31,7 @@ websocket = pytest.importorskip("websocket", reason="websocket-client is not ins
 
 from conftest import cedlm_serve, stop_process, tool_unavailable  # noqa: E402
 
-DIGIT_INDEX, DIGIT = 374, "7"            # the README's held-out handwritten 7
+DIGIT_INDEX, DIGIT = 374, "7"            # docs/vision.md's held-out handwritten 7
 
 
 def chromium_exe() -> str:

@@ -222,19 +222,19 @@ def test_lm_eval_local_completions(server, tmp_path, monkeypatch, capsys):
         assert -float(ll) == pytest.approx(r["nats"], rel=0.01), (i, ll, r)
 
 
-def readme_lm_eval_command() -> list[str]:
-    """The README's `lm_eval` command line (its fenced bash block), split as a shell would."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if b.startswith("lm_eval "))
+def documented_lm_eval_command() -> list[str]:
+    """The `lm_eval` command line of docs/serving.md (its fenced bash block), split as a shell would."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", doc, flags=re.S) if b.startswith("lm_eval "))
     return shlex.split(block.replace("\\\n", " "))
 
 
-def test_readme_command(server, tmp_path):
-    """The README's lm-eval command, run as written through the `lm_eval` CLI against the running
-    server: only the port (8000 -> this server's), the task (`wikitext`, a hub download -> the local
-    `cedlm_ppl`, with `--include_path`) and `--limit 2` differ. Before the fix it failed with
-    "got multiple values for keyword argument 'batch_size'"."""
-    argv = readme_lm_eval_command()
+def test_documented_command(server, tmp_path):
+    """The lm-eval command of docs/serving.md, run as written through the `lm_eval` CLI against the
+    running server: only the port (8000 -> this server's), the task (`wikitext`, a hub download -> the local
+    `cedlm_ppl`, with `--include_path`) and `--limit 2` differ. `--batch_size` is the CLI's (in
+    `--model_args` too it fails with "got multiple values for keyword argument 'batch_size'")."""
+    argv = documented_lm_eval_command()
     assert argv[0] == "lm_eval" and "--batch_size" in argv
     i = argv.index("--tasks")
     argv[i + 1] = "cedlm_ppl"

@@ -151,7 +151,9 @@ def _documented_train_commands() -> list[tuple[str, list[str]]]:
     import shlex
     root = Path(__file__).resolve().parents[1]
     out = []
-    for name in ("README.md", "FIDELITY.md", "BENCHMARKS.md", "docs/fidelity/notes.md"):
+    names = ["README.md", "FIDELITY.md", "BENCHMARKS.md", "docs/fidelity/notes.md"]
+    names += sorted(p.relative_to(root).as_posix() for p in (root / "docs").glob("*.md"))
+    for name in names:
         path = root / name
         if not path.exists():
             continue
@@ -165,7 +167,7 @@ def _documented_train_commands() -> list[tuple[str, list[str]]]:
 
 
 def test_documented_train_commands_parse():
-    """Every `cedlm train` command of the README (the shipped model's stages), FIDELITY and
+    """Every `cedlm train` command of the README, docs/*.md (the shipped model's stages), FIDELITY and
     BENCHMARKS parses with the stage parsers as written."""
     from cedlm.cli import build_parser
     cmds = _documented_train_commands()

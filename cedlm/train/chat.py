@@ -10,8 +10,8 @@ sentence of a passage, what a standard-library function does, greetings; some mu
 with a system prompt, some in thinking mode), rendered by the same encoder the server uses. The
 loss covers the assistant tokens only, each turn's closing EOS included (the engine's stop token).
 A fraction of the rows (`--text-fraction`) are plain corpus windows with the pretraining loss on
-every token, so the model keeps most of its language modelling (README, "Chat stage": the
-measured trade-off between the text fraction, the end-of-turn rate and validation perplexity).
+every token, so the model keeps most of its language modelling (docs/training.md, "Chat stage":
+the trade-off between the text fraction, the end-of-turn rate and validation perplexity).
 
 Batches are right-padded to their longest row (causal attention: padding after a row cannot
 change it) and the loss ignores padding. The schedule is linear warmup then cosine decay, as in
