@@ -4,7 +4,7 @@ A validation error becomes a 400 in the OpenAI error shape (``{"error": {"messag
 "param", "code"}}``) naming the field.
 
 Every parameter is either honoured or refused, never silently dropped. ``HONOURED`` (``params``) lists
-each request parameter the server declares and what it does (the README's table); parameters
+each request parameter the server declares and what it does (the table of docs/serving.md); parameters
 named in ``REFUSED`` (OpenAI / vLLM parameters cedlm does not implement) get a 400 naming them
 when set to anything but their neutral value. Other unknown fields are accepted and ignored, since
 OpenAI clients send new ones all the time (vLLM does the same).

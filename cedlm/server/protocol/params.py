@@ -1,5 +1,5 @@
 """The request parameters the server knows: limits, effort tiers, the table of honoured
-parameters (``HONOURED``, the README's table) and of refused ones (``REFUSED``: OpenAI / vLLM
+parameters (``HONOURED``, the table of docs/serving.md) and of refused ones (``REFUSED``: OpenAI / vLLM
 parameters cedlm does not implement, a 400 unless set to their neutral value)."""
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "bad_words": (lambda v: v in (None, []), "bad_words is not supported; use logit_bias"),
     "n_logprobs": (lambda v: v is None, "unknown parameter; use logprobs"),
 }
-# Every request parameter the server declares, and what it does (the README's parameter table).
+# Every request parameter the server declares, and what it does (the parameter table of docs/serving.md).
 # tests/test_server_parity.py checks that this covers every declared field.
 HONOURED: dict[str, str] = {
     # both endpoints
