@@ -170,4 +170,4 @@ def test_bad_values_are_400_naming_the_responses_field(base, oc):
     with pytest.raises(openai.NotFoundError):
         oc.responses.create(model="nope", input="hi")
     r = httpx.get(base + "/v1/responses/resp_1")
-    assert r.status_code == 501 and "not stored" in r.json()["error"]["message"]
+    assert r.status_code == 404 and "not stored" in r.json()["error"]["message"]
