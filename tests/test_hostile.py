@@ -504,3 +504,162 @@ def test_openapi_carries_the_run_time_bounds_and_the_rules_between_fields(hostil
     for ids in ([[-1]], [[vocab + 10**20]]):
         r = _post(base, "/v1/completions", {"model": MODEL, "prompt": ids, "echo": True, "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+# =========================================================================== request body shape
+
+
+def _deep(n: int) -> str:
+    return "[" * n + "]" * n
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", _deep(100_000), None),                       # the raw body itself
+    ("/v1/chat/completions", '{"model":"%s","max_tokens":1,"messages":[{"role":"user","content":"x"}],"meta":%s}'
+     % (MODEL, _deep(5000)), "meta"),
+    ("/v1/completions", '{"model":"%s","prompt":"x","max_tokens":1,"guided_json":%s}' % (MODEL, _deep(5000)),
+     "guided_json"),
+    ("/tokenize", '{"model":"%s","prompt":"x","q":%s}' % (MODEL, _deep(100_000)), "q"),
+    ("/detokenize", '{"model":"%s","tokens":%s}' % (MODEL, _deep(3000)), "tokens"),
+    ("/v1/responses", '{"model":"%s","input":"x","text":{"format":{"type":"json_schema","schema":%s}}}'
+     % (MODEL, _deep(500)), "text"),
+])
+def test_deep_json_body_is_400_naming_the_limit_before_parsing(hostile_app, path, body, param):
+    """A body nested deeper than MAX_DEPTH is measured on the raw bytes and refused before
+    json.loads recurses into it: a 400 naming the limit and the top-level field (it was "There was
+    an error parsing the body", or a 500 where a validator recursed)."""
+    from cedlm.server.protocol import MAX_DEPTH
+    app, base, alone = hostile_app
+    r = beside_bystander(app, base, alone, lambda: _post(base, path, body))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "nesting_too_deep" and err["param"] == param, err
+    assert f"nested deeper than {MAX_DEPTH} levels" in err["message"]
+
+
+def test_json_depth_limit_is_exact_and_strings_do_not_count(hostile_app):
+    from cedlm.server.protocol import MAX_DEPTH
+    _, base, _ = hostile_app
+    brackets = "[{\\\"]}" * 200                                  # brackets and escaped quotes in a string
+
+    def body(levels):                                           # the root object is level 1
+        return '{"model":"%s","prompt":"%s","max_tokens":1,"x":%s}' % (MODEL, brackets, _deep(levels - 1))
+    ok = _post(base, "/v1/completions", body(MAX_DEPTH))
+    assert ok.status_code == 200, ok.text
+    r = _post(base, "/v1/completions", body(MAX_DEPTH + 1))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x", r.text
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "x", "guided_json": _deep(200_000)}, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"json": _deep(200_000)}}, "structured_outputs"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "type": "function", "function": {
+            "name": "f", "arguments": '{"a":%s}' % _deep(200_000)}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "x"}]}, "messages"),
+    ("/v1/responses", {"input": [{"type": "function_call", "call_id": "a", "name": "f",
+                                  "arguments": '{"a":%s}' % _deep(200_000)},
+                                 {"type": "function_call_output", "call_id": "a", "output": "x"}]}, "input"),
+])
+def test_deep_json_inside_a_string_field_is_400(hostile_app, path, body, param):
+    """JSON text carried in a string (a schema, tool-call arguments) is measured before it is
+    parsed; it was a RecursionError inside the validator: a 500."""
+    app, base, alone = hostile_app
+    r = beside_bystander(app, base, alone,
+                         lambda: _post(base, path, {"model": MODEL, "max_tokens": 1, **body}))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "nested deeper than" in err["message"], err
+
+
+def test_logit_bias_of_4001_digits_is_400_naming_the_field(hostile_app):
+    """A bias is compared with [-100, 100] before float(): 4,001 digits raised OverflowError (a
+    500); NaN and infinities are refused the same way, and the message does not repeat the number."""
+    app, base, alone = hostile_app
+    for bias in ("9" * 4001, "-" + "9" * 4001, "1e999", "NaN"):
+        body = '{"model":"%s","prompt":"x","max_tokens":1,"logit_bias":{"5":%s}}' % (MODEL, bias)
+        r = _post(base, "/v1/completions", body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "logit_bias" and "[-100, 100]" in err["message"] and len(r.text) < 400, err
+    for key in ("²", "1" * 40):
+        r = _post(base, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1, "logit_bias": {key: 1}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    r = _post(base, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1, "logit_bias": {"5": 100}})
+    assert r.status_code == 200, r.text
+
+
+def test_too_many_messages_are_refused_before_validation(hostile_app):
+    """220,000 empty messages (6 MB) are a 400 naming the limit after a length check, not 7 s of
+    validating every message before the prompt limit refused them."""
+    import time
+
+    from cedlm.server.protocol import MAX_MESSAGES
+    app, base, alone = hostile_app
+    msgs = ",".join(['{"role":"user","content":""}'] * 220_000)
+    for path, body in (("/v1/chat/completions", '{"model":"%s","max_tokens":1,"messages":[%s]}' % (MODEL, msgs)),
+                       ("/tokenize", '{"model":"%s","messages":[%s]}' % (MODEL, msgs)),
+                       ("/v1/responses", '{"model":"%s","input":[%s]}' % (MODEL, msgs))):
+        t0 = time.monotonic()
+        r = beside_bystander(app, base, alone, lambda: _post(base, path, body))
+        took = time.monotonic() - t0
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert f"at most {MAX_MESSAGES}" in err["message"] and err["param"] in ("messages", "input"), err
+        assert took < 20, took                 # with the bystander; the refusal itself is well under 1 s
+    few = [{"role": "user", "content": "hi"}] * 3
+    assert _post(base, "/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": few}).status_code == 200
+
+
+def test_a_recursion_error_while_handling_a_request_is_a_400(hostile_app, monkeypatch):
+    app, base, _ = hostile_app
+
+    def deep(name):
+        raise RecursionError("maximum recursion depth exceeded")
+    monkeypatch.setattr(app.state.server, "resolve", deep)
+    r = _post(base, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "nesting_too_deep", r.text
+
+
+def test_deeper_than_matches_a_parser_on_random_json(monkeypatch):
+    """The raw-byte depth scan against the parsed value's depth: random JSON with brackets,
+    quotes and backslashes inside strings, with chunks as small as one byte (chunk edges inside
+    escapes)."""
+    import random
+
+    from cedlm.server.protocol import json_depth
+
+    def depth(v):
+        best, stack = 0, [(v, 1)]
+        while stack:
+            x, d = stack.pop()
+            if isinstance(x, (dict, list)):
+                best = max(best, d)
+                stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
+        return best
+
+    rnd = random.Random(0)
+
+    def gen(d):
+        if d <= 0 or rnd.random() < 0.2:
+            return rnd.choice(['a[{\\"]}', "\\\\", 'x\\\\"[[', 1, None, "[]{}", '"]\\', "\\\\\\"])
+        if rnd.random() < 0.5:
+            return [gen(d - 1) for _ in range(rnd.randint(0, 3))]
+        return {rnd.choice(["k", "[k{", '\\"q']) + str(i): gen(d - 1) for i in range(rnd.randint(0, 3))}
+    for chunk in (1, 3, 7, 1 << 20):
+        monkeypatch.setattr(json_depth, "_CHUNK", chunk)
+        for _ in range(300):
+            v = gen(rnd.randint(1, 10))
+            text = json.dumps(v).encode()
+            for limit in (2, 3, 5):
+                assert (json_depth.deeper_than(text, limit) is not None) == (depth(v) > limit), (chunk, text, limit)
+
+
+def test_deeply_nested_tool_arguments_in_model_output_stay_text():
+    from cedlm.text.chat_tools import DSML, parse_tool_calls
+    value = _deep(50_000)
+    out = (f'<{DSML} calls>\n<{DSML} invoke name="f">\n<{DSML} parameter name="a" string="false">{value}'
+           f'</{DSML} parameter>\n</{DSML} invoke>\n</{DSML} calls>')
+    _, calls = parse_tool_calls(out)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": value}

@@ -37,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from cedlm.server import chat, completions, responses
 from cedlm.server.aliases import AliasTable
 from cedlm.server.auth import APIKeyMiddleware
+from cedlm.server.body_guard import BodyGuard
 from cedlm.server.chat import EFFORT_HEADER, ReasoningSplitter, encode_messages
 from cedlm.server.errors import APIError, BodyTooLarge, fix_openapi, install_error_handlers, unauthorized
 from cedlm.server.images import options_for as image_options
@@ -283,6 +284,7 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
                                    default_max_tokens=default_max_tokens or None)
     app.state.worker, app.state.engine, app.state.aliases, app.state.metrics = worker, engine, table, metrics
     app.state.server.images = image_options(getattr(engine, "model", None), allow_remote_images)   # server/images.py
+    app.add_middleware(BodyGuard)                     # JSON nesting depth, before parsing (body_guard.py)
     if max_body_bytes is not None:
         app.add_middleware(_BodyLimit, max_bytes=int(max_body_bytes))
     if api_key:                                       # before the body limit and any parsing

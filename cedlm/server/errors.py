@@ -2,7 +2,9 @@
 
 Every error is `{"error": {"message", "type", "param", "code"}}` with an HTTP status:
 
-- 400 invalid body, including validation errors (FastAPI would make them 422) and malformed JSON;
+- 400 invalid body, including validation errors (FastAPI would make them 422), malformed JSON and
+  JSON nested deeper than the limit (code `nesting_too_deep`; a `RecursionError` anywhere in
+  handling a request is answered so too);
 - 401 missing or incorrect API key (with `www-authenticate: Bearer`);
 - 404 unknown model (and unknown routes);
 - 413 request body larger than the server's limit (`--max-body-bytes`);
@@ -26,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cedlm.server.protocol import ErrorInfo, ErrorResponse
 from cedlm.server.protocol.checks import Combination
+from cedlm.server.protocol.params import MAX_DEPTH
 from cedlm.server.worker import Failed
 
 log = logging.getLogger("cedlm.server")
@@ -138,6 +141,15 @@ def install_error_handlers(app: FastAPI) -> None:
             detail = not_found_message(request.method, request.url.path)
         return APIError(exc.status_code, detail, type=typ, code=getattr(exc, "code", None),
                         headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(RecursionError)
+    async def _too_deep(request, exc: RecursionError):
+        # The body's depth is measured before parsing (body_guard.py) and in the JSON texts of
+        # string fields (protocol/json_depth.py); this is the boundary for anything those miss.
+        log.warning("a request to %s %s recursed too deeply; answered 400", request.method, request.url.path,
+                    exc_info=exc)
+        return APIError(400, f"request body: nested too deeply to process (JSON arrays / objects may nest "
+                             f"at most {MAX_DEPTH} levels)", code="nesting_too_deep").response()
 
     @app.exception_handler(Exception)
     async def _crash(request, exc: Exception):

@@ -132,8 +132,10 @@ def parse_tool_calls(content: str) -> tuple[str, list[dict]]:
                 args[key] = value
             else:
                 try:
-                    args[key] = json.loads(value)
-                except ValueError:
+                    parsed = json.loads(value)
+                    dump_json(parsed)             # a value nested too deep cannot be written back
+                    args[key] = parsed
+                except (ValueError, RecursionError):      # not JSON, or nested too deep: its text
                     args[key] = value
         calls.append({"type": "function", "function": {"name": name, "arguments": dump_json(args)}})
     return content[:start].rstrip("\n"), calls

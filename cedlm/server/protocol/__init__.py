@@ -30,17 +30,20 @@ Extensions beyond the OpenAI API (all optional):
 Types are strict where a lax conversion would change the meaning: booleans must be JSON booleans
 (``"thinking": "false"`` is a 400, not thinking on), strings in the body must be valid Unicode (a
 lone ``\\ud800`` escape is a 400), message content, tool calls and tools must have the OpenAI
-shapes, and the body may nest at most ``MAX_DEPTH`` levels. Bounded: at most ``MAX_STOP`` stop
-strings of at most ``MAX_STOP_CHARS`` characters each, ``MAX_STOP_TOKEN_IDS`` stop token ids,
-``MAX_CACHE_SALT_CHARS`` characters of cache salt, ``MAX_N`` choices (``n`` / ``best_of``),
-``MAX_PROMPTS`` prompts per completions request, ``MAX_LOGIT_BIAS`` logit_bias entries.
+shapes, and the body may nest at most ``MAX_DEPTH`` levels (measured on the raw bytes before it is
+parsed, and in the JSON texts of string fields: ``json_depth``). Bounded: at most ``MAX_MESSAGES``
+messages (or Responses input items), ``MAX_STOP`` stop strings of at most ``MAX_STOP_CHARS``
+characters each, ``MAX_STOP_TOKEN_IDS`` stop token ids, ``MAX_CACHE_SALT_CHARS`` characters of cache
+salt, ``MAX_N`` choices (``n`` / ``best_of``), ``MAX_PROMPTS`` prompts per completions request,
+``MAX_LOGIT_BIAS`` logit_bias entries (each bias compared with [-100, 100] before any conversion).
 
 The package, one concept a module: ``params`` (limits, effort tiers, the honoured / refused
-parameter tables), ``checks`` (shape checks of request values), ``common`` (the fields both
-generation endpoints share), ``chat``, ``completions``, ``tokenize`` (requests of each endpoint),
-``responses`` (response shapes), ``errors`` (the OpenAI error shape); ``responses_api`` (the
-Responses API request and its translation to a chat request; imported from its module). Every public name is
-re-exported here: import from ``cedlm.server.protocol``.
+parameter tables), ``checks`` (shape checks of request values), ``json_depth`` (the nesting depth of
+JSON text, before parsing), ``common`` (the fields both generation endpoints share), ``chat``,
+``completions``, ``tokenize`` (requests of each endpoint), ``responses`` (response shapes), ``errors``
+(the OpenAI error shape); ``responses_api`` (the Responses API request and its translation to a
+chat request; imported from its module). Every public name is re-exported here: import from
+``cedlm.server.protocol``.
 """
 from __future__ import annotations
 
@@ -50,8 +53,8 @@ from cedlm.server.protocol.completions import CompletionRequest, PromptType
 from cedlm.server.protocol.errors import ErrorInfo, ErrorResponse
 from cedlm.server.protocol.params import (
     CHAT_ONLY_REFUSED, COMPLETIONS_ONLY_REFUSED, DEFAULT_THINKING_EFFORT, EFFORT_TIERS, GUIDED, HONOURED,
-    MAX_CACHE_SALT_CHARS, MAX_CHOICES, MAX_DEPTH, MAX_LOGIT_BIAS, MAX_N, MAX_PROMPTS, MAX_STOP, MAX_STOP_CHARS,
-    MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, REFUSED,
+    MAX_CACHE_SALT_CHARS, MAX_CHOICES, MAX_DEPTH, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_N, MAX_PROMPTS, MAX_STOP,
+    MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, REFUSED,
 )
 from cedlm.server.protocol.responses import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChoiceLogprobs,
@@ -66,8 +69,8 @@ __all__ = [
     "ChoiceLogprobs", "CommonRequest", "CompletionChoice", "CompletionLogprobs", "CompletionRequest",
     "CompletionResponse", "CompletionTokensDetails", "DEFAULT_THINKING_EFFORT", "DeltaMessage",
     "DetokenizeRequest", "DetokenizeResponse", "EFFORT_TIERS", "ErrorInfo", "ErrorResponse", "GUIDED", "HONOURED",
-    "Health", "MAX_CACHE_SALT_CHARS", "MAX_CHOICES", "MAX_DEPTH", "MAX_LOGIT_BIAS", "MAX_N", "MAX_PROMPTS",
-    "MAX_STOP", "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "MAX_TOP_LOGPROBS", "ModelCard", "ModelList",
+    "Health", "MAX_CACHE_SALT_CHARS", "MAX_CHOICES", "MAX_DEPTH", "MAX_LOGIT_BIAS", "MAX_MESSAGES", "MAX_N",
+    "MAX_PROMPTS", "MAX_STOP", "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "MAX_TOP_LOGPROBS", "ModelCard", "ModelList",
     "PromptLogprob", "PromptTokensDetails", "PromptType", "REFUSED", "StreamOptions", "TokenLogprob",
     "TokenizeRequest", "TokenizeResponse", "TopLogprob", "Usage",
 ]

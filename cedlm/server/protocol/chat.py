@@ -6,7 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from cedlm.server.protocol.checks import Combination, check_parts, check_tool_call, effort_value, type_name
+from cedlm.server.protocol.checks import (
+    Combination, check_count, check_parts, check_tool_call, effort_value, type_name,
+)
 from cedlm.server.protocol.common import CommonRequest
 from cedlm.server.protocol.params import DEFAULT_THINKING_EFFORT, EFFORT_TIERS, MAX_TOP_LOGPROBS, REFUSED, refuse
 from cedlm.server.tools import check_tool_choice, check_tools
@@ -146,6 +148,7 @@ class ChatCompletionRequest(CommonRequest, ChatTemplateFields):
     @model_validator(mode="before")
     @classmethod
     def _refused(cls, data):
+        check_count(data, "messages")            # first: before anything walks the messages
         refuse(data, [k for k in REFUSED if k not in ("suffix",)])
         return data
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 from cedlm.server.protocol.checks import (
     Combination, JsonInt, check_body, check_logit_bias, check_response_format, check_structured,
 )
+from cedlm.server.protocol.json_depth import check_json_text
 from cedlm.server.protocol.params import (
     GUIDED, MAX_CACHE_SALT_CHARS, MAX_TEMPERATURE, MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
 )
@@ -135,9 +136,10 @@ class CommonRequest(BaseModel):
             kind = {"json": "json_schema"}.get(k, k)
             v = so[k]
             if kind == "json_schema" and isinstance(v, str):
+                check_json_text(v, "structured_outputs.json")
                 try:
                     v = json.loads(v)
-                except ValueError:
+                except (ValueError, RecursionError):
                     raise ValueError("structured_outputs.json: not valid JSON") from None
             return "structured_outputs", kind, v
         for k, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
@@ -145,9 +147,10 @@ class CommonRequest(BaseModel):
             v = getattr(self, k)
             if v is not None:
                 if kind == "json_schema" and isinstance(v, str):
+                    check_json_text(v, k)
                     try:
                         v = json.loads(v)
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         raise ValueError(f"{k}: not valid JSON") from None
                 return k, kind, v
         return None

@@ -11,6 +11,7 @@ MAX_STOP_TOKEN_IDS = 256      # stop token ids per request
 MAX_CACHE_SALT_CHARS = 256
 
 MAX_DEPTH = 100              # nesting of arrays / objects in a request body
+MAX_MESSAGES = 4096          # chat messages (or Responses input items) in one request
 
 # Reasoning-effort tiers -> V4.1 integer effort; None = no thinking (chat mode). The names are
 # DeepSeek's API tiers, mapped as its API maps them (minimal -> low, medium / xhigh -> high,

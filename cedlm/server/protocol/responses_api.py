@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from cedlm.server.protocol.checks import check_body, type_name
+from cedlm.server.protocol.checks import check_body, check_count, type_name
 from cedlm.server.protocol.params import MAX_TEMPERATURE
 
 # Chat (and vLLM) request fields a Responses request may carry unchanged.
@@ -88,6 +88,7 @@ class ResponsesRequest(BaseModel):
     @field_validator("input", mode="before")
     @classmethod
     def _input(cls, v):
+        check_count({"input": v}, "input")
         check_body(v)
         if isinstance(v, list) and not v:
             raise ValueError("input: must not be empty")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, StrictBool, model_validator
 
 from cedlm.server.protocol.chat import ChatTemplateFields
-from cedlm.server.protocol.checks import Combination, TokenId, check_body
+from cedlm.server.protocol.checks import Combination, TokenId, check_body, check_count
 from cedlm.server.protocol.params import refuse
 
 
@@ -21,6 +21,7 @@ class TokenizeRequest(ChatTemplateFields):
     @model_validator(mode="before")
     @classmethod
     def _body(cls, data):
+        check_count(data, "messages")
         check_body(data)
         refuse(data, ["continue_final_message", "chat_template", "documents"])
         return data

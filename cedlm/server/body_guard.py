@@ -1,0 +1,81 @@
+"""Checks on a JSON request body before FastAPI parses it (pure ASGI middleware).
+
+`BodyGuard` receives the whole body of a POST / PUT / PATCH request whose content type is JSON (or
+absent, which FastAPI parses as JSON too), then:
+
+- measures its nesting depth on the raw bytes (`protocol.json_depth.deeper_than`, no recursion):
+  deeper than `max_depth` levels is a 400 (code `nesting_too_deep`) naming the limit and the
+  top-level field the deep value sits in, before `json.loads` recurses into it. (Python's parser
+  reported 100,000 nested brackets only as "There was an error parsing the body".)
+
+It then hands the app the body it read, and passes every later `receive` through untouched (a
+client's disconnect still reaches the handlers). It sits inside the body-size limit, so a body over
+`max_body_bytes` is a 413 before it is all read, and inside the API-key check.
+"""
+from __future__ import annotations
+
+from starlette.concurrency import run_in_threadpool
+
+from cedlm.server.errors import APIError
+from cedlm.server.protocol.json_depth import deeper_than
+from cedlm.server.protocol.params import MAX_DEPTH
+
+_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_INLINE_BYTES = 256 << 10          # larger bodies are measured in a worker thread (numpy frees the GIL)
+
+
+def _json_body(scope) -> bool:
+    if scope.get("method") not in _METHODS:
+        return False
+    for k, v in scope.get("headers", ()):
+        if k == b"content-type":
+            return b"json" in v.lower()
+    return True                    # no content type: FastAPI parses the body as JSON
+
+
+def too_deep(body: bytes, max_depth: int = MAX_DEPTH) -> APIError | None:
+    """The 400 for a body nested deeper than `max_depth` levels, or None."""
+    hit = deeper_than(body, max_depth)
+    if hit is None:
+        return None
+    where = f"{hit.key}: " if hit.key else "request body: "
+    return APIError(400, f"{where}nested deeper than {max_depth} levels (JSON arrays / objects within each "
+                         f"other, at byte {hit.offset})", param=hit.key, code="nesting_too_deep")
+
+
+class BodyGuard:
+    """See the module docstring."""
+
+    def __init__(self, app, max_depth: int = MAX_DEPTH):
+        self.app, self.max_depth = app, int(max_depth)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not _json_body(scope):
+            return await self.app(scope, receive, send)
+        chunks: list[bytes] = []
+        first: dict | None = None            # a disconnect before the body's end: handed on as it came
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                first = msg
+                break
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if first is None:
+            err = (too_deep(body, self.max_depth) if len(body) <= _INLINE_BYTES
+                   else await run_in_threadpool(too_deep, body, self.max_depth))
+            if err is not None:
+                return await err.response()(scope, receive, send)
+            first = {"type": "http.request", "body": body, "more_body": False}
+        replayed = False
+
+        async def _receive():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return first
+            return await receive()
+
+        await self.app(scope, _receive, send)
