@@ -663,3 +663,37 @@ def test_deeply_nested_tool_arguments_in_model_output_stay_text():
            f'</{DSML} parameter>\n</{DSML} invoke>\n</{DSML} calls>')
     _, calls = parse_tool_calls(out)
     assert json.loads(calls[0]["function"]["arguments"]) == {"a": value}
+
+
+def test_a_500_says_connection_close_and_the_next_request_is_served(hostile_app, monkeypatch):
+    """After an unhandled exception uvicorn closes the connection once the 500 is sent; the 500
+    says `connection: close`, so a keep-alive client opens a new connection instead of losing its
+    next request on a dropped one."""
+    import http.client
+    app, base, _ = hostile_app
+    host, port = base.removeprefix("http://").split(":")
+
+    def boom(name):
+        raise RuntimeError("a bug")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 1})
+    headers = {"content-type": "application/json"}
+    monkeypatch.setattr(app.state.server, "resolve", boom)
+    conn.request("POST", "/v1/completions", body=body, headers=headers)
+    r = conn.getresponse()
+    r.read()
+    assert r.status == 500 and r.getheader("connection") == "close" and r.will_close
+    monkeypatch.undo()
+    conn.request("POST", "/v1/completions", body=body, headers=headers)    # reconnects, as told
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("connection") != "close", r.read()
+    r.read()
+    conn.request("POST", "/v1/completions", body=body, headers=headers)    # kept alive again
+    assert conn.getresponse().status == 200
+    conn.close()
+    with httpx.Client(timeout=60) as c:                                    # a pooled client
+        monkeypatch.setattr(app.state.server, "resolve", boom)
+        assert c.post(f"{base}/v1/completions", content=body, headers=headers).status_code == 500
+        monkeypatch.undo()
+        assert all(c.post(f"{base}/v1/completions", content=body, headers=headers).status_code == 200
+                   for _ in range(3))

@@ -10,7 +10,10 @@ Every error is `{"error": {"message", "type", "param", "code"}}` with an HTTP st
 - 413 request body larger than the server's limit (`--max-body-bytes`);
 - 429 the engine cannot take the request now (with `retry-after`), from the worker's `Failed`;
 - 500 engine failure or any unhandled exception: a generic message and a request id (also in
-  the `x-request-id` header), never the exception's text; the details are logged with that id;
+  the `x-request-id` header), never the exception's text; the details are logged with that id.
+  Every 500 carries `connection: close`: after an unhandled exception uvicorn closes the
+  connection once the response is sent, and a keep-alive client told so opens a new one instead
+  of finding its pooled connection dropped under its next request;
 - 503 the engine has failed (see `/health`) or the server is shutting down.
 
 The OpenAPI schema (`/openapi.json`) documents these (400, not FastAPI's 422).
@@ -53,7 +56,10 @@ class APIError(Exception):
                                              code=self.code)).model_dump()
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        headers = self.headers
+        if self.status == 500:          # the server may drop this connection after it: say so
+            headers = {**headers, "connection": "close"}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 class BodyTooLarge(StarletteHTTPException):
