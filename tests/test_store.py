@@ -1,5 +1,6 @@
 """Cache-entry store: blob format, corruption -> miss, crash-safe writes, LRU; directory and Redis."""
 
+import errno
 import hashlib
 import json
 import os
@@ -341,6 +342,87 @@ def test_threads(backend):
 
 
 # ----------------------------------------------------------------------------- DirStore specifics
+
+
+def test_dir_store_has_a_byte_budget_by_default_and_it_is_configurable(tmp_path):
+    """A directory store evicts least recently used entries beyond DEFAULT_CAPACITY_BYTES unless
+    given another budget (None: unbounded), from the constructor, open_store and the engine's
+    store_capacity_bytes option."""
+    from cedlm.cache.store import DEFAULT_CAPACITY_BYTES
+    from cedlm.cache.store.guard import StoreGuard
+    from cedlm.engine.llm import LLM
+    assert DEFAULT_CAPACITY_BYTES == 8 << 30
+    assert DirStore(tmp_path / "a").capacity_bytes == DEFAULT_CAPACITY_BYTES
+    assert DirStore(tmp_path / "a", capacity_bytes=None).capacity_bytes is None
+    assert open_store(f"dir:{tmp_path / 'b'}").capacity_bytes == DEFAULT_CAPACITY_BYTES
+    assert open_store(str(tmp_path / "b"), capacity_bytes=1 << 20).stats()["capacity_bytes"] == 1 << 20
+    llm = LLM("tiny", store=f"dir:{tmp_path / 'c'}", store_capacity_bytes=3 << 20, num_threads=1)
+    inner = llm.engine.store
+    inner = inner.store if isinstance(inner, StoreGuard) else inner
+    assert isinstance(inner, DirStore) and inner.capacity_bytes == 3 << 20
+
+
+def _disk_of(path, disk_bytes, failures):
+    """A `_write_parts` writing to a disk of `disk_bytes` that holds only the store's entries:
+    ENOSPC (after a partial write, as a real full disk leaves) when the blob does not fit."""
+    def write(f, parts):
+        parts = [memoryview(p).cast("B") for p in parts]
+        used = sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".kv"))
+        if used + sum(p.nbytes for p in parts) > disk_bytes:
+            f.write(parts[0][:16])
+            failures.append(used)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        for p in parts:
+            f.write(p)
+    return write
+
+
+def test_full_disk_evicts_least_recently_used_and_keeps_storing(tmp_path, monkeypatch):
+    """The disk fills before the byte budget: the put that hits ENOSPC evicts least recently used
+    entries and is written; later puts make room first (no failed write each time) while the
+    disk-full size holds; afterwards the store grows again if the disk has room."""
+    from cedlm.cache.store import dir_store
+    path = tmp_path / "s"
+    recs = {f"k{i:02d}": make_record(i, rows=8) for i in range(20)}
+    size = len(encode_record(recs["k00"], "k00"))
+    assert {len(encode_record(r, k)) for k, r in recs.items()} == {size}
+    s = DirStore(path)                                  # the default budget: far above this disk
+    failures: list = []
+    monkeypatch.setattr(S, "_write_parts", _disk_of(path, 5 * size + size // 2, failures))
+    for k in list(recs)[:5]:
+        s.put(k, recs[k])
+    assert_same(s.get("k00"), recs["k00"])             # k00 is now the most recently used
+    s.put("k05", recs["k05"])                           # the disk is full: k01 goes
+    assert len(failures) == 1 and s.keys() == ["k02", "k03", "k04", "k00", "k05"]
+    st = s.stats()
+    assert st["evictions"] == 1 and st["disk_full_bytes"] == 5 * size and st["bytes"] == 5 * size
+    for k in list(recs)[6:12]:
+        s.put(k, recs[k])
+    assert len(failures) == 1                           # room made before each write
+    assert s.keys() == ["k07", "k08", "k09", "k10", "k11"]
+    for k in s.keys():
+        assert_same(s.get(k), recs[k])
+    assert not list(path.glob(".tmp-*"))                # no partial file left behind
+    # the disk-full size lapses; the disk has grown meanwhile: the store holds more again
+    monkeypatch.setattr(dir_store, "DISK_FULL_HOLD_S", 0.0)
+    monkeypatch.setattr(S, "_write_parts", _disk_of(path, 8 * size + size // 2, failures))
+    for k in list(recs)[12:15]:
+        s.put(k, recs[k])
+    assert len(s.keys()) == 8 and s.stats()["disk_full_bytes"] is None and len(failures) == 1
+
+
+def test_a_disk_full_of_others_data_is_an_error_the_guard_counts(tmp_path, monkeypatch):
+    """With no entry of its own to delete the put fails (ENOSPC), leaving no temp file; behind the
+    StoreGuard that is a counted miss."""
+    from cedlm.cache.store import StoreGuard
+    path = tmp_path / "s"
+    s = DirStore(path)
+    monkeypatch.setattr(S, "_write_parts", _disk_of(path, 100, []))
+    with pytest.raises(OSError) as ei:
+        s.put("k", make_record(0, rows=8))
+    assert ei.value.errno == errno.ENOSPC and not list(path.glob(".tmp-*")) and s.keys() == []
+    g = StoreGuard(s)
+    assert g.put("k", make_record(0, rows=8)) is False and g.counters["store_errors"] == 1
 
 
 CHILD = textwrap.dedent("""

@@ -91,6 +91,9 @@ class EngineArgs(EngineConfig):
                               "when this torch build sees a GPU, else the CPU), cpu, cuda or cuda:N",
                               none="auto", metavar="DEVICE")
     store: Any = field(default=None, metadata={"help": "KV store (path, redis:// URL or object)"})
+    store_capacity_bytes: int | None = _opt(None, "byte budget of a store given as a path or URL: the "
+                                            "least recently used entries are evicted beyond it (default: "
+                                            "8 GiB for a directory store, none for Redis)", type=parse_bytes)
 
     def __post_init__(self):
         super().__post_init__()
@@ -127,10 +130,10 @@ class EngineArgs(EngineConfig):
 
 
 def add_cli_args(p: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), **defaults) -> None:
-    """Add one flag per EngineArgs field (but `store` and those in skip); `defaults` overrides a
+    """Add one flag per EngineArgs field (but the store's and those in skip); `defaults` overrides a
     field's default for this command (say why where you pass one)."""
     for f in dataclasses.fields(EngineArgs):
-        if f.name in skip or f.name == "store":
+        if f.name in skip or f.name in ("store", "store_capacity_bytes"):
             continue
         default = defaults.get(f.name, f.default)
         flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")

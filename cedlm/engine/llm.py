@@ -123,12 +123,12 @@ class LLM:
         if isinstance(store, str):
             from cedlm.cache.store import StoreConnectionError, open_store
             try:
-                store = open_store(store)
+                store = open_store(store, capacity_bytes=a.store_capacity_bytes)
             except StoreConnectionError as e:    # a cache, not a dependency: start without it
                 import logging
                 logging.getLogger(__name__).warning("%s; starting anyway, every store call is a miss "
                                                     "until it answers", e)
-                store = open_store(store, check_connection=False)
+                store = open_store(store, capacity_bytes=a.store_capacity_bytes, check_connection=False)
         self.engine = Engine(self.model, self.tokenizer, a.engine_config(), store=store,
                              speculative=a.speculative_config())
 

@@ -1,6 +1,7 @@
 """`DirStore`: record blobs as files in one directory, written atomically, evicted least recently
-used first. A blob that fails validation is a miss (counted in ``stats()["corrupt"]``) and is
-deleted.
+used first under a byte budget (``capacity_bytes``, ``DEFAULT_CAPACITY_BYTES`` unless given; None:
+no budget), and when the disk fills up before the budget is reached. A blob that fails
+validation is a miss (counted in ``stats()["corrupt"]``) and is deleted.
 
 Only regular files named like the store's own entries (``<40 hex digits>.kv``) are ever read as
 entries or deleted. Anything else in the directory -- a directory or FIFO named ``*.kv``, a
@@ -31,6 +32,9 @@ _ENTRY_SUFFIX = ".kv"
 _TMP_PREFIX = ".tmp-"
 _TMP_SUFFIX = ".partial"
 _STALE_TMP_S = 3600.0  # a temp file this old is garbage whoever wrote it
+DEFAULT_CAPACITY_BYTES = 8 << 30   # the byte budget of a store opened without one
+DISK_FULL_HOLD_S = 600.0           # how long the size at which the disk filled up caps the store
+_DISK_FULL = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
 _ENTRY_NAME = re.compile(r"[0-9a-f]{40}" + re.escape(_ENTRY_SUFFIX))
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -102,19 +106,25 @@ class DirStore:
     the entry with ``os.replace`` (atomic), so a reader sees the old blob or the new one, never a
     mix; a writer killed mid-write leaves only a temp file, removed by the next open. LRU order is
     the files' mtimes (set on put, touched on every hit), mirrored in memory; when the total size
-    exceeds ``capacity_bytes`` the least recently used entries are deleted. Thread-safe within a
-    process; other processes sharing the directory are safe (atomic files) but their puts are only
-    counted towards capacity after this process re-scans (``keys()`` or a new ``DirStore``).
+    exceeds ``capacity_bytes`` (default ``DEFAULT_CAPACITY_BYTES``, 8 GiB; None: unbounded) the
+    least recently used entries are deleted. Thread-safe within a process; other processes sharing
+    the directory are safe (atomic files) but their puts are only counted towards capacity after
+    this process re-scans (``keys()`` or a new ``DirStore``).
 
-    I/O is local, so there is no timeout; I/O errors raise ``OSError`` (a full disk on ``put``:
-    ENOSPC, the temp file removed and the old entry untouched; an entry that cannot be read on
-    ``get``: EACCES, EIO...). The engine wraps every store in a `StoreGuard`, which makes any of
-    them a counted cache miss.
+    A full disk (ENOSPC / EDQUOT while writing) does not stop the store: ``put`` deletes least
+    recently used entries until the new one's size is free and writes it again, and for
+    ``DISK_FULL_HOLD_S`` seconds keeps the store within the size it held when the disk filled
+    (``stats()["disk_full_bytes"]``), making room before each write instead of failing one first.
+    Only when there is nothing left to delete does ``put`` raise the ``OSError`` (the temp file
+    removed, the old entry untouched). I/O is local, so there is no timeout; other I/O errors raise
+    ``OSError`` too (an entry that cannot be read on ``get``: EACCES, EIO...). The engine wraps
+    every store in a `StoreGuard`, which makes any of them a counted cache miss.
     """
 
-    def __init__(self, path: str | os.PathLike, capacity_bytes: int | None = None):
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int | None = DEFAULT_CAPACITY_BYTES):
         self.path = Path(path).expanduser()
         self.capacity_bytes = check_capacity(capacity_bytes)
+        self._disk_full: tuple[int, float] | None = None    # (bytes held when the disk filled, since)
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._n = Counters()
@@ -230,10 +240,14 @@ class DirStore:
         if entry is not None:
             self._total -= entry[1]
 
-    def _evict(self, keep: str | None) -> None:
-        if self.capacity_bytes is None:
-            return
-        while self._total > self.capacity_bytes:
+    def _evict(self, keep: str | None, limit: int | None = None) -> None:
+        """Delete least recently used entries (never `keep`) until the total is within `limit`
+        (default: the capacity, and the disk-full size while it holds)."""
+        if limit is None:
+            limit = self._limit()
+            if limit is None:
+                return
+        while self._total > limit:
             victim = next((k for k in self._index if k != keep), None)
             if victim is None:
                 break
@@ -245,11 +259,28 @@ class DirStore:
             self._forget(victim)
             self._n.evictions += 1
 
-    # -- Store API
-    def put(self, key: str, record: Record) -> None:
-        check_key(key)
-        enc = Encoded(record, key)
-        check_fits(enc.size, self.capacity_bytes, key)
+    def _limit(self) -> int | None:
+        """The size the store keeps within: its capacity, and the disk-full size while it holds."""
+        full = self._disk_full
+        if full is not None and time.monotonic() - full[1] > DISK_FULL_HOLD_S:
+            self._disk_full = full = None            # the disk may have room again: try the capacity
+        if full is None:
+            return self.capacity_bytes
+        return full[0] if self.capacity_bytes is None else min(full[0], self.capacity_bytes)
+
+    def _room_for(self, size: int, key: str) -> None:
+        """Before a write while the disk-full size holds: evict until `size` more bytes fit
+        (the entry's old version, replaced by the write, counts as free)."""
+        if self._disk_full is None:
+            return
+        limit = self._limit()
+        if limit is not None:
+            old = self._index.get(key, (None, 0))[1]
+            self._evict(keep=key, limit=max(limit - size + old, 0))
+
+    def _write_temp(self, enc: Encoded) -> str:
+        """The blob written and fsynced to a new temp file in the directory (its path); the temp
+        file is removed if writing fails."""
         write_parts = sys.modules[__package__]._write_parts
         fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f"{_TMP_PREFIX}{_host_tag()}-{os.getpid()}-",
                                    suffix=_TMP_SUFFIX)
@@ -258,6 +289,43 @@ class DirStore:
                 write_parts(f, enc.parts())
                 f.flush()
                 os.fsync(f.fileno())
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return tmp
+
+    def _write_temp_making_room(self, enc: Encoded, key: str) -> str:
+        """`_write_temp`; on a full disk, evict least recently used entries until the blob's
+        size is free and write it again (see the class docstring)."""
+        with self._lock:
+            self._room_for(enc.size, key)
+        try:
+            return self._write_temp(enc)
+        except OSError as e:
+            if e.errno not in _DISK_FULL:
+                raise
+            with self._lock:
+                held = self._total
+                if not self._index:
+                    raise                            # nothing of ours to delete: the disk is full of others'
+                old = self._index.get(key, (None, 0))[1]
+                self._disk_full = (held, time.monotonic())
+                self._evict(keep=None, limit=max(held - enc.size, 0))
+                log.warning("store %s: the disk is full at %d bytes held; evicted least recently used entries "
+                            "down to %d bytes to write %d (old version: %d)", self.path, held, self._total,
+                            enc.size, old)
+            return self._write_temp(enc)
+
+    # -- Store API
+    def put(self, key: str, record: Record) -> None:
+        check_key(key)
+        enc = Encoded(record, key)
+        check_fits(enc.size, self.capacity_bytes, key)
+        tmp = self._write_temp_making_room(enc, key)
+        try:
             with self._lock:
                 fn = self._filename(key)
                 try:
@@ -354,10 +422,12 @@ class DirStore:
 
     def stats(self) -> dict:
         with self._lock:
+            self._limit()                            # (drops a disk-full size that no longer holds)
             n = self._n
             return {"backend": "dir", "path": str(self.path), "entries": len(self._index), "bytes": self._total,
                     "hits": n.hits, "misses": n.misses, "corrupt": n.corrupt, "evictions": n.evictions,
-                    "skipped": len(self._skipped), "capacity_bytes": self.capacity_bytes}
+                    "skipped": len(self._skipped), "capacity_bytes": self.capacity_bytes,
+                    "disk_full_bytes": self._disk_full[0] if self._disk_full is not None else None}
 
     def __repr__(self) -> str:
         return f"DirStore({str(self.path)!r}, capacity_bytes={self.capacity_bytes})"
