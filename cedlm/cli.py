@@ -5,16 +5,20 @@ import argparse
 import importlib
 import sys
 
-# (module, attribute) of each `add_parser(subparsers)` hook; optional ones may be absent.
+# Each sub-command: (name, the module whose `add_parser(subparsers)` registers it, its one-line
+# help). Only the module of the command being run is imported, so `cedlm --help` and a mistyped
+# command answer without importing torch (tests/test_cli_messages.py checks that each module
+# registers its commands with these help lines).
 COMMANDS = [
-    ("cedlm.server.cli", "add_parser"),
-    ("cedlm.engine.cli", "add_parser"),
-    ("cedlm.plan", "add_parser"),
-    ("cedlm.data.cli", "add_parser"),
-    ("cedlm.train.cli", "add_parser"),
-    ("cedlm.train.export", "add_parser"),
-    ("cedlm.eval.cli", "add_parser"),
-    ("cedlm.bench.cli", "add_parser"),
+    ("serve", "cedlm.server.cli", "serve the model over an OpenAI-compatible HTTP API"),
+    ("generate", "cedlm.engine.cli", "generate a completion for one prompt"),
+    ("plan", "cedlm.plan", "KV bytes, parameter counts and sequences that fit"),
+    ("data", "cedlm.data.cli", "build the training corpus"),
+    ("tokenizer", "cedlm.data.cli", "train or inspect tokenizers"),
+    ("train", "cedlm.train.cli", "pretrain a model, or run a training stage on top of one"),
+    ("export", "cedlm.train.export", "write a model directory (lean BF16, or the official quantised layout)"),
+    ("eval", "cedlm.eval.cli", "evaluate models (perplexity, bits/byte, baselines)"),
+    ("bench", "cedlm.bench.cli", "run the benchmark suite (JSON, plots, BENCHMARKS.md)"),
 ]
 
 
@@ -30,24 +34,24 @@ class CommandParser(argparse.ArgumentParser):
         return ns, extras
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """`cedlm`'s parser. command: the sub-command being run (its module registers its parser);
+    None or an unknown name: every sub-command as a name and a help line (nothing imported)."""
     from cedlm import __version__
     parser = argparse.ArgumentParser(prog="cedlm", description=__doc__)
     parser.add_argument("--version", action="version", version=f"cedlm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
-    for mod, attr in COMMANDS:
-        try:
-            hook = getattr(importlib.import_module(mod), attr)
-        except ModuleNotFoundError as e:
-            if e.name == mod:          # that subsystem is not part of this build
-                continue
-            raise
-        hook(sub)
+    mods = {mod for name, mod, _ in COMMANDS if name == command}
+    if mods:
+        for mod in mods:
+            importlib.import_module(mod).add_parser(sub)
+    else:
+        for name, _, help_line in COMMANDS:
+            sub.add_parser(name, help=help_line, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:                  # `cedlm train --preset ...`: the old spelling
         try:
@@ -56,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         else:
             argv = legacy_argv(argv)
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

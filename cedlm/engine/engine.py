@@ -40,10 +40,11 @@ from cedlm.engine.runtime import SequenceRuntime
 from cedlm.engine.sampler import Sampler, make_generator
 from cedlm.engine.sampling_params import SamplingParams
 from cedlm.engine.scheduler import Scheduler
-from cedlm.engine.speculative import DSparkSpeculator, SpeculativeConfig, can_speculate
+from cedlm.engine.speculative import DSparkSpeculator, SpeculativeConfig
 from cedlm.engine.stop import StopChecker
+from cedlm.engine.warmup import BackgroundCompile
 from cedlm.model import CEDModel
-from cedlm.model.compiled_step import CompiledDecode
+from cedlm.model.compiled_step import CompiledDecode, adopt, defer, graph_name, scratch_states
 from cedlm.model.state import SequenceState
 
 __all__ = ["Engine", "EngineConfig", "EngineSnapshot", "StepOutput"]
@@ -89,6 +90,8 @@ class Engine:
         # its verify step runs in the decode step's mode
         self.speculator = (DSparkSpeculator(model, speculative, self.decoder, log=log.info)
                            if speculative is not None else None)
+        self._background: BackgroundCompile | None = None     # graphs compiling off the serving path
+        self._background_parts = None
         self.requests: dict[str, Request] = {}
         self.runs: dict[str, SequenceRuntime] = {}   # request id -> the engine's objects for it
         self.peak: dict[str, int] = {}           # peak KV bytes in use, by kind
@@ -124,6 +127,74 @@ class Engine:
         finally:
             for t in tables:
                 t.free()
+
+    def compile_in_background(self, batch_sizes: tuple[int, ...] = (1, 2)) -> BackgroundCompile | None:
+        """Build the compiled graphs (`warm_up`'s) in a background thread while the engine steps
+        on the same step uncompiled; the engine adopts them at the first step boundary after they
+        are all built (`warmup.py`). Call it before the engine's first step, from the thread that
+        steps it: the scratch sequences are prefilled here, from this engine's block pool, and
+        freed when the graphs are adopted. None when nothing compiles (another mode, or the
+        reference path is required)."""
+        dec = self.decoder
+        if not dec.compile or dec.why_not() is not None or self._background is not None:
+            return None
+        tables = []
+
+        def rows():
+            tables.append(BlockTable(self.pool))
+            return self.pool.rows(tables[-1])
+        shadows, jobs = [], []
+        try:
+            for B in batch_sizes:
+                states = scratch_states(self.model, B, rows)
+                jobs.append((f"decode graph for batch {graph_name(B, False)}",
+                             lambda st=states, b=B: shadows[0].forward(
+                                 torch.arange(b), st, paged=True)))
+            spec = self.speculator
+            if spec is not None and spec.step is not None and spec.step.compile and spec.step.usable:
+                T = spec.step.T
+                for B in batch_sizes:
+                    states = scratch_states(self.model, B, rows)
+                    ids = torch.arange(B * T).view(B, T) % 7
+                    jobs.append((f"verify graph for batch {graph_name(B, False)}",
+                                 lambda st=states, i=ids: shadows[1](i, st)))
+                for B in batch_sizes:
+                    jobs.append((f"draft graph for batch {graph_name(B, False)}",
+                                 lambda b=B: shadows[2].warm_up((b,))))
+        except NoFreeBlocks:
+            for t in tables:
+                t.free()
+            return None
+        shadows.append(defer(dec))
+        if spec is not None and spec.step is not None:
+            shadows += [defer(spec.step), defer(spec.drafter)]
+        key = f"{self.fingerprint[:12]} threads={torch.get_num_threads()}"
+        self._background = BackgroundCompile(jobs, key=key, log_line=log.info)
+        self._background_parts = (shadows, tables)
+        return self._background.start()
+
+    def _adopt_compiled(self) -> None:
+        """At a step boundary: once the background compile is done, switch to its graphs and
+        free its scratch blocks."""
+        bg = self._background
+        if bg is None or not bg.done or self._background_parts is None:
+            return
+        shadows, tables = self._background_parts
+        self._background_parts = None
+        steps = [self.decoder]
+        if self.speculator is not None and self.speculator.step is not None:
+            steps += [self.speculator.step, self.speculator.drafter]
+        adopted = [adopt(step, sh) for step, sh in zip(steps, shadows)]
+        for t in tables:
+            t.free()
+        if adopted and adopted[0]:
+            log.info("decode step: now running the compiled graphs")
+
+    def compile_status(self) -> dict:
+        """Which decode step runs now and what is compiling (for /health and /v1/models)."""
+        bg = self._background
+        return {"decode_step": self.decoder.active_mode,
+                "compiling": None if bg is None else bg.status()}
 
     @property
     def store(self):
@@ -210,6 +281,8 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One scheduling step; one StepOutput per request it touched (admitted, ran, finished).
         Requests that finished are forgotten (the caller holds its own reference)."""
+        if self._background is not None:
+            self._adopt_compiled()
         out = self.scheduler.schedule()
         self.counters["preemptions"] += len(out.preempted)
         for r in out.preempted:                   # their KV is gone: recomputed when readmitted
@@ -356,12 +429,23 @@ class Engine:
 
     # ---------------------------------------------------------------- decoding
     def _decode(self, reqs: list[Request]) -> None:
-        spec = [r for r in reqs if can_speculate(r.params)] if self.speculator is not None else []
+        """One token for each running sequence, or a verified draft block for those that may
+        speculate when the speculator's policy says it pays this step (engine/spec_policy.py);
+        each kind of step is timed for the policy."""
+        sp = self.speculator
+        spec = [r for r in reqs if sp.speculates(r.params)] if sp is not None else []
+        if spec and not sp.decide(len(spec), len(reqs) - len(spec)):
+            spec = []
         plain = [r for r in reqs if not any(r is s for s in spec)]
         if plain:
+            t0 = time.perf_counter()
             self._decode_plain(plain)
+            if sp is not None:
+                sp.observe("plain", len(plain), time.perf_counter() - t0)
         if spec:
+            t0 = time.perf_counter()
             self._decode_speculative(spec)
+            sp.observe("spec", len(spec), time.perf_counter() - t0)
 
     def _decode_plain(self, reqs: list[Request]) -> None:
         ids = [r.output_ids[-1] for r in reqs]
@@ -463,6 +547,7 @@ class Engine:
         c = dict(self.counters)
         if self.speculator is not None:
             c.update(self.speculator.stats.as_dict())
+            c.update(self.speculator.policy.as_dict())
         return c
 
     def kv_stats(self) -> dict:

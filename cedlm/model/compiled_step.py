@@ -35,6 +35,7 @@ import weakref
 
 import torch
 
+from cedlm.config.modes import DECODE_STEPS
 from cedlm.model import step as step_
 from cedlm.model.state import ByteRows, SequenceState
 from cedlm.model.step_graph import StepGraphs
@@ -42,7 +43,7 @@ from cedlm.model.step_graph import StepGraphs
 ENV_VAR = "CEDLM_DECODE_STEP"
 # (cedlm/__init__.py points TORCHINDUCTOR_CACHE_DIR at ~/.cache/cedlm/inductor: a second start
 # of the same model loads the compiled graphs instead of compiling them)
-MODES = ("compiled", "cudagraph", "static", "eager")
+MODES = DECODE_STEPS
 
 
 def default_mode(device=None) -> str:
@@ -140,6 +141,28 @@ def run_step(step, name: str, uncompiled, args, graph: str):
     return result
 
 
+def defer(step):
+    """Take `step`'s compiled function off its serving path: from now on `step` (a CompiledDecode,
+    VerifyStep or DraftStep) runs `step.uncompiled`, the same step without the compiler, and the
+    returned shadow (a shallow copy: same model, same `compile_s`) holds the compiled function,
+    to be built on scratch inputs in another thread; `adopt` then puts it back at a step
+    boundary. None when `step` does not compile."""
+    if not step.compile:
+        return None
+    shadow = copy.copy(step)
+    step.fn, step.compile = step.uncompiled, False
+    return shadow
+
+
+def adopt(step, shadow) -> bool:
+    """Give `step` its shadow's compiled function (`defer`); False when compiling failed (the
+    shadow fell back to running uncompiled: `step` stays as it is)."""
+    if shadow is None or not shadow.compile:
+        return False
+    step.fn, step.compile = shadow.fn, True
+    return True
+
+
 def scratch_states(model, batch: int, rows=None) -> list[SequenceState]:
     """`batch` short sequences (4 prefilled tokens) to compile a step on before any request;
     rows: a rows factory (the engine's block pool), else contiguous rows."""
@@ -177,7 +200,7 @@ class CompiledDecode:
         if self.mode != "eager":
             step_.stack_experts(model)
             step_.fuse_projections(model)
-        self.fn = step_.decode_step
+        self.fn = self.uncompiled = step_.decode_step
         if self.compile:
             self.fn = compile_step(self.device, one_row_products=True)
         # the modules whose state can take a call off the step (decisions), and the Engram
@@ -200,6 +223,21 @@ class CompiledDecode:
         if key not in steps:
             steps[key] = cls(model, mode, log=log)
         return steps[key]
+
+    @property
+    def min_entries(self) -> int:
+        """The fewest entry slots a row kind is given: index_topk, and the candidate pool's
+        candidate_topk_blocks x candidate_block_size where a layer takes a candidate pool."""
+        cfg = self.model.cfg
+        pool = (cfg.candidate_topk_blocks * cfg.candidate_block_size
+                if cfg.candidate_source_layer_id is not None and cfg.candidate_topk_blocks else 0)
+        return max(cfg.index_topk, pool)
+
+    @property
+    def active_mode(self) -> str:
+        """The step that runs now: `mode`, or "static" while the compiled graphs are not in use
+        (being built in the background: `defer`, or given up after a compiler failure)."""
+        return "static" if self.mode == "compiled" and not self.compile else self.mode
 
     # ---------------------------------------------------------------- eligibility
     def why_not(self) -> str | None:
@@ -338,7 +376,7 @@ class CompiledDecode:
         if self._one_contiguous(states):
             st = states[0]                   # the entry this token may complete needs a row,
             for rows in (*st.kv.values(), *st.index.values()):    # and the top-k a full k
-                rows.reserve(max(rows.n + T, self.model.cfg.index_topk))
+                rows.reserve(max(rows.n + T, self.min_entries))
         pools, table, copied = self._pools(states, T)
         counts = {s: torch.tensor([st.kv[s].n for st in states], dtype=torch.int64, device="cpu")
                   for s in self.shapes.sources}
@@ -390,7 +428,7 @@ class CompiledDecode:
             copied, pools = True, {}
             for k in kinds:
                 bufs = [rows(st, k).blocks()[0][0] for st in states]
-                cap = max(max(b.shape[0] for b in bufs), self.model.cfg.index_topk)
+                cap = max(max(b.shape[0] for b in bufs), self.min_entries)
                 # a whole number of candidate blocks: the graph's candidate-block view of N =
                 # blocks x cap entries guards on N % candidate_block_size, and a cap that broke
                 # it recompiled the batch >= 2 graph (minutes) when the rows grew past a block
@@ -402,11 +440,12 @@ class CompiledDecode:
                 pools[k] = pool
             tables = [[b] for b in range(len(states))]
             pad = list(range(len(states)))
-        # spare columns (the entries the T tokens may complete), and at least index_topk slots in
-        # every row kind: the top-k is then always k = index_topk wide (a k that followed the
-        # table width would be a constant torch.compile has to specialise on)
+        # spare columns (the entries the T tokens may complete), and at least `min_entries` slots
+        # in every row kind: the top-k is then always k = index_topk wide and the candidate pool
+        # always candidate_topk_blocks blocks (a k that followed the table width would be a
+        # constant torch.compile specialises on: a longer prompt would recompile mid-request)
         per = min(p.shape[1] for p in pools.values())
-        nb = max(max(len(t) for t in tables) + -(-T // per), -(-self.model.cfg.index_topk // per))
+        nb = max(max(len(t) for t in tables) + -(-T // per), -(-self.min_entries // per))
         table = torch.tensor([list(t) + [pad[b]] * (nb - len(t)) for b, t in enumerate(tables)],
                              dtype=torch.int64, device="cpu").to(dev, non_blocking=True)
         if self.compile:                     # one graph for every context length

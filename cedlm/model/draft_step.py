@@ -109,6 +109,7 @@ class DraftStep:
         self.decoder, self.model = decoder, decoder.model
         self.fmt = self.model.kv_layout.window_fmt
         self.compile = decoder.mode == "compiled"
+        self.uncompiled = draft_step
         self.fn = compile_step(decoder.device, draft_step) if self.compile else draft_step
         self.compile_s: dict[str, float] = {}
         self.log = log

@@ -17,11 +17,9 @@ from __future__ import annotations
 import torch
 
 from cedlm.config import ModelConfig
+from cedlm.config.modes import PREFILL_MODES, REPLAY_MODES  # noqa: F401  (re-exported)
 from cedlm.model.kv_cache import ByteKVCache
 from cedlm.model.state import SequenceState
-
-PREFILL_MODES = ("full", "exact", "bounded")
-REPLAY_MODES = ("exact", "bounded")
 
 
 def decoder_rows(cfg: ModelConfig, n_new: int, mode: str) -> int:

@@ -55,7 +55,7 @@ class VerifyStep:
                              f"{decoder.model.cfg.sliding_window}]")
         self.decoder, self.model, self.T = decoder, decoder.model, T
         self.compile = decoder.mode == "compiled"
-        self.fn = step_.decode_step
+        self.fn = self.uncompiled = step_.decode_step
         if self.compile:                         # a graph of its own (options as the decode step's)
             self.fn = compile_step(decoder.device)
         self._shapes: dict[bool, step_.StepShapes] = {}

@@ -71,7 +71,13 @@ def _card(srv: ServerState, name: str) -> ModelCard:
     st = "current" if name == table.served_name else table.aliases[name]
     return ModelCard(id=name, created=srv.created, root=table.served_name, status=st,
                      replacement=table.served_name if st == "deprecated" else None,
-                     max_model_len=srv.max_model_len, device=srv.device)
+                     max_model_len=srv.max_model_len, device=srv.device, **_step_status(srv.engine))
+
+
+def _step_status(engine) -> dict:
+    """{"decode_step", "compiling"}: which step serves now and what compiles in the background."""
+    status = getattr(engine, "compile_status", None)
+    return status() if status is not None else {}
 
 
 @models_router.get("/v1/models")
@@ -130,7 +136,8 @@ async def detokenize(body: DetokenizeRequest, request: Request):
                 "description": "The engine has failed (the process should be restarted)"}})
 async def health(request: Request):
     status, reason = request.app.state.worker.health()
-    return JSONResponse(Health(status=status, reason=reason).model_dump(),
+    step = _step_status(request.app.state.engine)
+    return JSONResponse(Health(status=status, reason=reason, **step).model_dump(),
                         status_code=503 if status == "failed" else 200)
 
 

@@ -54,6 +54,16 @@ def _non_negative(s: str) -> int:
     return n
 
 
+def _port(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {n}")
+    return n
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                        description=__doc__)
@@ -62,7 +72,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint dir or preset (default: the shipped default model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (1-65535; default 8000)")
     p.add_argument("--api-key", "--api_key", dest="api_key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                         "$CEDLM_API_KEY, else open)")
@@ -104,7 +114,11 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def build_app(args):
+def build_app(args, background_compile: bool = False):
+    """The server's FastAPI app over a freshly loaded model. background_compile: the compiled
+    decode step's graphs are built in a background thread while the engine serves on the same
+    step uncompiled (`Engine.compile_in_background`); else they are compiled here, before the
+    app is returned."""
     from cedlm.engine.llm import LLM
     from cedlm.server.aliases import AliasTable, default_served_name
     from cedlm.server.app import api_key_from_env, create_app
@@ -114,7 +128,10 @@ def build_app(args):
 
     from cedlm.util import describe_device
     logging.getLogger("cedlm.server").info("device: %s", describe_device(llm.device))
-    llm.engine.warm_up()                     # compile before serving (logged; cached on disk)
+    if background_compile:
+        llm.engine.compile_in_background()    # logged with progress; cached on disk
+    else:
+        llm.engine.warm_up()                  # compile before serving (logged; cached on disk)
     table = AliasTable.from_cli(args.served_model_name or default_served_name(args.model), args.alias)
     return create_app(llm, aliases=table, api_key=api_key_from_env(args.api_key),
                       max_waiting=args.max_waiting,
@@ -141,37 +158,75 @@ def configure_logging(level: str) -> None:
     logger.setLevel(level.upper())
 
 
+def _model_error(model: str | None) -> str | None:
+    """A --model that names neither a preset nor an existing path, said before any work."""
+    if model is None:
+        return None
+    from pathlib import Path
+
+    from cedlm.config.presets import PRESETS
+    if model in PRESETS or Path(model).exists():
+        return None
+    return f"model: {model!r} is neither a checkpoint directory nor a preset ({sorted(PRESETS)})"
+
+
 def run(args) -> int:
+    """Bind the port, then listen at once: /health answers 503 "loading" while the model loads
+    (server/startup.py), then the server serves on the uncompiled decode step while the compiled
+    graphs are built in the background, switching to them at a step boundary."""
     import logging
 
-    import torch
-    import uvicorn
-
     from cedlm.server.app import api_key_from_env
+    from cedlm.server.startup import BindError, StartingApp, bind
+
+    def fail(msg: str) -> int:
+        print(f"cedlm serve: error: {msg}", file=sys.stderr, flush=True)
+        return 2
+    bad = _model_error(args.model)
+    if bad:
+        return fail(bad)
+    try:
+        sock = bind(args.host, args.port)        # before any work: a busy port is one line
+    except BindError as e:
+        return fail(str(e))
     warning = exposure_warning(args.host, api_key_from_env(args.api_key))
     if warning:
         print(warning, file=sys.stderr, flush=True)
         logging.getLogger("cedlm.server").warning(warning)
-    torch.set_num_threads(args.num_threads)
     configure_logging(args.log_level)
-    try:
-        app = build_app(args)
-    except FileNotFoundError as e:                  # --model names no checkpoint dir nor preset
-        print(f"cedlm serve: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except ValueError as e:
-        if not str(e).startswith(("speculative", "num_draft_tokens", "device")):
-            raise
-        print(f"cedlm serve: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    table = app.state.aliases
-    from cedlm.util import describe_device
-    print(f"cedlm serve: {table.served_name} (names: {', '.join(table.describe())}) on "
-          f"http://{args.host}:{args.port}/v1, device {describe_device(app.state.engine.device)}", flush=True)
+    print(f"cedlm serve: listening on http://{args.host}:{args.port}/v1 (/health says \"loading\" "
+          f"until the model is loaded)", flush=True)
+    import uvicorn
+
     from cedlm.server.header_timeout import header_timeout_protocol
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                http=header_timeout_protocol(args.header_timeout))
-    if app.state.worker.failed:          # the engine failed for good and shut the server down
-        print(f"cedlm serve: the engine failed: {app.state.worker.failed}", file=sys.stderr, flush=True)
+    failure: list[str] = []
+
+    def build():                        # in a thread, while /health answers "loading"
+        import torch
+        torch.set_num_threads(args.num_threads)
+        app = build_app(args, background_compile=True)
+        from cedlm.util import describe_device
+        table = app.state.aliases
+        print(f"cedlm serve: {table.served_name} (names: {', '.join(table.describe())}) ready on "
+              f"http://{args.host}:{args.port}/v1, device {describe_device(app.state.engine.device)}, "
+              f"decode step {app.state.engine.decoder.active_mode}", flush=True)
+        return app
+
+    def on_failed(msg: str) -> None:
+        failure.append(msg)
+        server.should_exit = True
+    starting = StartingApp(build, on_failed)
+    config = uvicorn.Config(starting, log_level=args.log_level, http=header_timeout_protocol(args.header_timeout),
+                            lifespan="on")
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if failure:
+        return fail(failure[0])
+    worker = getattr(getattr(starting.app, "state", None), "worker", None)
+    if worker is not None and worker.failed:      # the engine failed for good and shut the server down
+        print(f"cedlm serve: the engine failed: {worker.failed}", file=sys.stderr, flush=True)
         return 1
     return 0

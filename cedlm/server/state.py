@@ -67,6 +67,7 @@ class ServerState:
         self.grammars = Grammars(tokenizer, self.vocab_size) if tokenizer is not None else None
         self.think_end_id = tokenizer.token_to_id(THINK_END) if tokenizer is not None else None
         self.max_model_len = engine.max_model_len
+        self.engine = engine                       # read only for `compile_status` (plain attributes)
         dev = getattr(engine, "device", None)      # where the model runs: on /v1/models' cards
         self.device = None if dev is None else str(dev)
         self.max_prompt_tokens = min(self.max_model_len, max_prompt_tokens or self.max_model_len)

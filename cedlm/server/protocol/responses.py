@@ -132,6 +132,8 @@ class ModelCard(BaseModel):
     replacement: str | None = None       # for deprecated aliases
     max_model_len: int | None = None
     device: str | None = None            # where the model runs ("cpu", "cuda:0"), as `--device` chose
+    decode_step: str | None = None       # the decode step running now ("compiled", "static", ...)
+    compiling: str | None = None         # what is being compiled in the background, if anything
 
 
 class ModelList(BaseModel):
@@ -140,5 +142,7 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ready", "degraded", "failed"]
+    status: Literal["ready", "degraded", "failed", "loading"]
     reason: str | None = None
+    decode_step: str | None = None       # the decode step running now ("compiled", "static", ...)
+    compiling: str | None = None         # what is being compiled in the background, if anything
