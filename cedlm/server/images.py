@@ -2,16 +2,22 @@
 
 OpenAI-style parts `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`
 (PNG or JPEG, decoded with Pillow by `cedlm.text.images`). Remote `http(s)` URLs are refused
-with a 400 unless the operator started the server with `--allow-remote-images` (then fetched
-with a timeout and the same byte limit). Every bad image is a 400 naming the part and the limit
-(size, pixels, count, format, corrupt/truncated data); a model without a vision tower answers
-400 for any image. Decoding runs off the event loop (`ServerState.tokenize`).
+with a 400 unless the operator started the server with `--allow-remote-images`; then they are
+fetched by `remote_images.fetch`: public addresses only (checked after DNS, and connected to as
+checked), one deadline and the same byte limit, and one generic 400 for every failure (a client
+cannot probe which hosts or ports exist). The image count is checked before anything is fetched
+or decoded, and each image's pixel count from its header before its pixels are decoded. Every
+bad image is a 400 naming the part and the limit (size, pixels, count, format, corrupt/truncated
+data); a model without a vision tower answers 400 for any image. Decoding runs off the event
+loop (`ServerState.tokenize`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from cedlm.server.errors import APIError
+from cedlm.server.remote_images import FetchError, fetch, public_address
 from cedlm.text.images import ImageError, ImageLimits, decode_data_url, decode_image, message_images, preprocess
 
 
@@ -20,7 +26,8 @@ class ImageOptions:
     vision: object | None = None                  # the model's VisionConfig (None: no vision tower)
     limits: ImageLimits = field(default_factory=ImageLimits)
     allow_remote: bool = False                     # fetch http(s) image URLs (operator flag)
-    fetch_timeout: float = 10.0
+    fetch_timeout: float = 10.0                    # seconds for one fetch, DNS to the last byte
+    address_ok: Callable = public_address          # which resolved addresses a fetch may connect to
 
 
 def options_for(model, allow_remote: bool = False, limits: ImageLimits | None = None) -> ImageOptions:
@@ -30,16 +37,10 @@ def options_for(model, allow_remote: bool = False, limits: ImageLimits | None = 
 
 
 def _fetch(url: str, opts: ImageOptions) -> bytes:
-    import urllib.request
-    lim = opts.limits.max_bytes
     try:
-        with urllib.request.urlopen(url, timeout=opts.fetch_timeout) as r:      # noqa: S310 - operator opt-in
-            data = r.read(lim + 1)
-    except Exception as e:                          # noqa: BLE001 - any fetch failure is the client's URL
-        raise ImageError(f"image_url: could not fetch {url[:100]!r} ({type(e).__name__})") from None
-    if len(data) > lim:
-        raise ImageError(f"image: the fetched image exceeds the limit of {lim} bytes")
-    return data
+        return fetch(url, opts.limits.max_bytes, opts.fetch_timeout, opts.address_ok)
+    except FetchError as e:
+        raise ImageError(str(e)) from None
 
 
 def _source_bytes(url, opts: ImageOptions) -> bytes:
