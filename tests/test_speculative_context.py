@@ -39,8 +39,8 @@ def _engine(model, replay_mode="exact", prefill_mode="bounded"):
     e = Engine(model, None, EngineConfig(kv_budget_bytes=4 << 20, max_num_seqs=4, block_tokens=8,
                                          prefill_chunk=16, replay_mode=replay_mode,
                                          prefill_mode=prefill_mode),
-               speculative=SpeculativeConfig())
-    e.speculator = Recording(model)
+               speculative=SpeculativeConfig(policy="always"))
+    e.speculator = Recording(model, SpeculativeConfig(policy="always"))
     return e
 
 

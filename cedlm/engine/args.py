@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from cedlm.engine.spec_policy import POLICIES
 from cedlm.engine.speculative import METHODS, SpeculativeConfig
 from cedlm.model import PREFILL_MODES
 from cedlm.model.compiled_step import MODES as DECODE_STEPS
@@ -82,6 +83,9 @@ class EngineArgs(EngineConfig):
                                         "is >= this (0: the whole block)", type=float)
     num_draft_tokens: int | None = _opt(None, "at most this many drafts per block (default: the "
                                         "drafter's block size)", type=int)
+    speculative_policy: str = _opt("adaptive", "when to speculate: adaptive (each step, where the "
+                                   "measured acceptance and step costs say drafting pays; plain decode "
+                                   "steps otherwise) or always (every step)", choices=list(POLICIES))
     num_threads: int | None = _opt(None, "torch intra-op threads (1 is fastest for small models on "
                                    "a busy machine)", "--threads", type=int)
     engram_mmap: str | None = _opt(None, "directory to memory-map the Engram tables from (host "
@@ -99,8 +103,10 @@ class EngineArgs(EngineConfig):
         super().__post_init__()
         if self.speculative is not None and self.speculative not in METHODS:
             raise ValueError(f"speculative: unknown method {self.speculative!r} (expected one of {METHODS})")
-        if self.speculative is None and (self.speculative_threshold or self.num_draft_tokens is not None):
-            raise ValueError("speculative: speculative_threshold / num_draft_tokens need speculative='dspark'")
+        if self.speculative is None and (self.speculative_threshold or self.num_draft_tokens is not None
+                                         or self.speculative_policy != "adaptive"):
+            raise ValueError("speculative: speculative_threshold / num_draft_tokens / speculative_policy "
+                             "need speculative='dspark'")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
         self.speculative_config()               # its own checks (threshold range, ...)
@@ -118,7 +124,8 @@ class EngineArgs(EngineConfig):
     def speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative is None:
             return None
-        return SpeculativeConfig(self.speculative, self.speculative_threshold, self.num_draft_tokens)
+        return SpeculativeConfig(self.speculative, self.speculative_threshold, self.num_draft_tokens,
+                                 self.speculative_policy)
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace, *, skip: tuple[str, ...] = (), **overrides) -> "EngineArgs":

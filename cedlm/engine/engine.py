@@ -283,6 +283,7 @@ class Engine:
         Requests that finished are forgotten (the caller holds its own reference)."""
         if self._background is not None:
             self._adopt_compiled()
+        t_step = time.perf_counter()
         out = self.scheduler.schedule()
         self.counters["preemptions"] += len(out.preempted)
         for r in out.preempted:                   # their KV is gone: recomputed when readmitted
@@ -301,6 +302,8 @@ class Engine:
         kv = self.kv_stats()
         for k in ("main_kv", "index_keys", "window", "compressor_state"):
             self.peak[k] = max(self.peak.get(k, 0), kv[k])
+        if self.speculator is not None:           # the step's cost besides decoding, for the policy
+            self.speculator.end_step(len(out.decode), time.perf_counter() - t_step, counted=not out.prefills)
         return outputs
 
     def _touch(self, r: Request) -> SequenceRuntime:

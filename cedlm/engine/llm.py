@@ -101,11 +101,12 @@ class LLM:
         """`model`: a checkpoint directory, a preset name or a CEDModel; the engine options are
         `EngineArgs` fields (engine/args.py: kv_budget_bytes, max_num_seqs, block_tokens,
         prefill_chunk, prefill_mode, replay_mode, enable_prefix_cache, max_model_len,
-        speculative="dspark", speculative_threshold, num_draft_tokens, num_threads, engram_mmap,
-        seed, store, device), as keywords or as `args`. `device` (default: CUDA when available,
-        else the CPU; a CEDModel instance stays where it is, or is moved there in place when a
-        device is given) holds the weights, the KV cache and the sampler; the Engram tables stay
-        in host RAM with `engram_mmap`. `self.device` is where it runs."""
+        speculative="dspark", speculative_threshold, num_draft_tokens, speculative_policy,
+        num_threads, engram_mmap, seed, store, device), as keywords or as `args`. `device`
+        (default: CUDA when available, else the CPU; a CEDModel instance stays where it is, or is
+        moved there in place when a device is given) holds the weights, the KV cache and the
+        sampler; the Engram tables stay in host RAM with `engram_mmap`. `self.device` is where it
+        runs."""
         if args is not None and options:
             raise ValueError(f"args: pass EngineArgs or keyword options, not both ({sorted(options)})")
         bad = sorted(set(options) - {f.name for f in dataclasses.fields(EngineArgs)})

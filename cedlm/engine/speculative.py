@@ -27,22 +27,46 @@ logprobs: their sampling distribution is the plain temperature / top-k / top-p o
    through the stop checker one by one.
 Other sequences decode one token as usual in the same step. This module touches the sequences'
 model state and draft state (`SequenceRuntime.state`, `.draft`) and nothing else of the engine.
+
+Whether a step speculates at all is the policy's (`spec_policy.SpecPolicy`; `policy` "adaptive" by
+default): from the acceptance so far and the measured cost of a speculative step against a plain
+one at that batch size, the engine runs a plain decode step wherever drafting does not pay
+(`decide`, `observe`), and now and then the other kind to keep the estimates fresh; "always"
+speculates every step. A plain step (the engine's ordinary decode step, which computes no taps)
+writes no context rows: the drafter's rings then miss those positions, which a later block does
+not see (`dspark.window_visible` keys on each slot's position; an unwritten slot holds an older
+position, out of the window), as after a rejection. The next verification writes the rows of what
+it keeps, so the context is whole again within a block or two (the drafter leans on its last few
+rows: measured on the shipped model, 1.3 tokens per verification with none of the window, 1.9
+with the last 2 rows, 2.0 with all 64); a verification whose last `WARM_ROWS` positions lack rows
+is not counted in the policy's acceptance. Greedy output is the target's argmax either way, and
+sampling is exact either way (the sampler's distribution, or rejection sampling against it);
+under the adaptive policy a seeded sampled request decodes plainly (`speculates`), so that its
+tokens depend neither on the batch nor on the machine's timing.
 """
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from cedlm.engine.loader import model_device
 from cedlm.engine.sampler import apply_top_k_top_p
+from cedlm.engine.spec_policy import POLICIES, Measurements, PolicyConfig, SpecPolicy
 from cedlm.model import dspark
 from cedlm.model.draft_step import DraftStep
 from cedlm.model.rollback import capture, mark, rollback, verify
 from cedlm.model.verify_step import VerifyStep
 
 METHODS = ("dspark",)
+WARM_ROWS = 2        # context rows right before a block needed for its acceptance to be counted
+
+# decode step (or model) -> {(speculator class, threshold, draft cap): Measurements}: what the
+# policy measured outlives one engine (engines built one after another on the same model, decode
+# step and drafting options share it); weak, so it goes with the model's decode step
+_MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -50,10 +74,13 @@ class SpeculativeConfig:
     method: str = "dspark"
     threshold: float = 0.0           # verify drafts while prod(confidence) >= threshold; 0 = whole block
     num_draft_tokens: int | None = None   # at most this many drafts per block (None: dspark_block_size)
+    policy: str = "adaptive"         # "adaptive": speculate where it pays (spec_policy.py); "always"
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative: unknown method {self.method!r} (expected one of {METHODS})")
+        if self.policy not in POLICIES:
+            raise ValueError(f"speculative_policy: {self.policy!r} is not one of {POLICIES}")
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"speculative_threshold: {self.threshold} is not in [0, 1]")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
@@ -115,12 +142,15 @@ def can_speculate(params) -> bool:
 class Proposal:
     """Draft blocks for a batch of running sequences: anchors [B] (each one's last token),
     positions P [B] (its next position), drafts [B, N] and their logits [B, N, V], and k[b], the
-    drafts of sequence b to verify (the verify forward runs 1 + max(k) positions)."""
+    drafts of sequence b to verify (the verify forward runs 1 + max(k) positions); counted[b]:
+    whether its acceptance counts for the policy (its drafts not capped by what the request may
+    still emit, the drafter's context holding the rows right before the block)."""
     anchors: torch.Tensor
     positions: torch.Tensor
     drafts: torch.Tensor
     draft_logits: torch.Tensor
     k: list[int]
+    counted: list[bool] | None = None
 
     @property
     def num_lookahead(self) -> int:
@@ -129,7 +159,8 @@ class Proposal:
 
     def without_drafts(self) -> "Proposal":
         """Verify nothing (one plain token per sequence): the lookahead could not be reserved."""
-        return Proposal(self.anchors, self.positions, self.drafts, self.draft_logits, [0] * len(self.k))
+        return Proposal(self.anchors, self.positions, self.drafts, self.draft_logits, [0] * len(self.k),
+                        [False] * len(self.k))
 
 
 @dataclass
@@ -149,6 +180,7 @@ class SpecStats:
         return {"spec_steps": self.steps, "spec_drafted_tokens": self.drafted,
                 "spec_verified_tokens": self.verified, "spec_accepted_tokens": self.accepted,
                 "spec_emitted_tokens": self.emitted,
+                "spec_acceptance_rate": self.accepted / self.verified if self.verified else 0.0,
                 "spec_tokens_per_forward": self.emitted / self.steps if self.steps else 0.0,
                 "spec_acceptance_by_position": acc,
                 "spec_verified_by_position": list(self.verified_at),
@@ -168,10 +200,60 @@ class DSparkSpeculator:
         self.device = model_device(model)           # the drafter's tensors go where the model is
         N = model.cfg.dspark_block_size
         self.k_max = min(self.cfg.num_draft_tokens or N, N, model.cfg.sliding_window - 1)
+        shared = _MEASURED.setdefault(decoder if decoder is not None else model, {})
+        measured = shared.setdefault((type(self), self.cfg.threshold, self.k_max), Measurements())
+        self.policy = SpecPolicy(PolicyConfig(mode=self.cfg.policy), measured)
+        self.decoder = decoder
+        self._step_mode = self._decoder_mode()
+        self._decode_s = 0.0                        # this engine step's decoding so far
         self.stats = SpecStats(verified_at=[0] * N, accepted_at=[0] * N)
         static = decoder is not None and decoder.mode != "eager"
         self.step = VerifyStep.of(decoder, 1 + self.k_max, log=log) if static else None
         self.drafter = DraftStep.of(decoder, log=log) if static else None
+
+    # ---------------------------------------------------------------- policy
+    def _decoder_mode(self):
+        """The decode step's mode now (a compiled graph adopted mid-run changes it)."""
+        d = self.decoder
+        return None if d is None else (getattr(d, "active_mode", None) or getattr(d, "mode", None))
+
+    def speculates(self, params) -> bool:
+        """Whether a request with these sampling params takes part in speculative steps: plain
+        sampling (`can_speculate`); under the adaptive policy not a seeded sampled one, whose
+        tokens must not depend on the batch (the policy's choice does)."""
+        if not can_speculate(params):
+            return False
+        return self.policy.mode == "always" or params.greedy or params.seed is None
+
+    def decide(self, n_spec: int, n_other: int = 0) -> bool:
+        """Whether this decode step speculates for its n_spec sequences that may (n_other decode
+        one token plainly in any case): the policy's choice (`SpecPolicy.decide`)."""
+        mode = self._decoder_mode()
+        if mode != self._step_mode:                 # another step now: its costs are to measure
+            self._step_mode = mode
+            self.policy.reset_costs()
+        return self.policy.decide(n_spec, n_other)
+
+    def observe(self, kind: str, n: int, seconds: float) -> None:
+        """The engine's decode step of `kind` ("plain" | "spec") over n sequences took seconds."""
+        self._decode_s += seconds
+        self.policy.observe(kind, n, seconds)
+
+    def end_step(self, n: int, seconds: float, counted: bool = True) -> None:
+        """An engine step that decoded n sequences took seconds: what it spent besides decoding
+        (scheduling, outputs, statistics) is every step's cost, whatever its kind (`counted`:
+        the step ran no prefill, whose time is not the decode's)."""
+        if counted and n and self._decode_s > 0:
+            self.policy.observe("step", n, max(seconds - self._decode_s, 0.0))
+        self._decode_s = 0.0
+
+    def _warm(self, runs, P: torch.Tensor) -> list[bool]:
+        """Per sequence: whether its drafter context holds the WARM_ROWS positions before P."""
+        W = self.model.cfg.sliding_window
+        want = P.view(-1, 1) - torch.arange(1, WARM_ROWS + 1, device=P.device)       # [B, WARM]
+        pos = torch.stack([u.draft.window_pos[0] for u in runs]).to(P.device)        # [B, W]
+        have = pos.gather(1, want.clamp_min(0) % W)
+        return ((have == want) | (want < 0)).all(1).tolist()
 
     # ---------------------------------------------------------------- drafter context
     def new_draft_state(self):
@@ -252,8 +334,9 @@ class DSparkSpeculator:
                 surv = torch.cumprod(conf[b], 0)
                 kb = min(kb, int((surv >= self.cfg.threshold).sum()))
             k.append(kb)
+        counted = [w and left - 1 >= self.k_max for w, left in zip(self._warm(runs, P), tokens_left)]
         self.stats.draft_s += time.perf_counter() - t0
-        return Proposal(anchors, P, drafts, dlogits, k)
+        return Proposal(anchors, P, drafts, dlogits, k, counted)
 
     def note_emitted(self, n: int = 1) -> None:
         """The engine emitted n verified tokens (fewer than kept when a stop ended the request)."""
@@ -299,6 +382,8 @@ class DSparkSpeculator:
                 st.accepted_at[i] += int(i < n_acc)
             kept.append(1 + n_acc)
             emitted.append(toks)
+        if prop.counted is not None:
+            self.policy.observe_acceptance([n for n, c in zip(kept, prop.counted) if c])
         if static:
             self.step.commit(ids.tolist(), states, out, kept)
         else:
