@@ -76,6 +76,25 @@ class EngineCollector:
             for i, v in enumerate(c.get("spec_acceptance_by_position", [])):
                 g.add_metric([self.model, str(i + 1)], v)
             yield g
+            # when to speculate (engine/spec_policy.py), named after vLLM's spec_decode metrics
+            yield gauge("cedlm_spec_decode_draft_acceptance_rate", "Accepted / verified drafted tokens.",
+                        c.get("spec_acceptance_rate", 0.0))
+            yield gauge("cedlm_spec_decode_tokens_per_verify", "Tokens a sequence emits per verification "
+                        "(1 + accepted drafts): the policy's moving average.",
+                        c.get("spec_tokens_per_verify_ema", 0.0))
+            for key, doc in (("speculative_steps", "Decode steps that speculated (draft + verify)."),
+                             ("plain_steps", "Decode steps with sequences that may speculate that ran a "
+                                             "plain step instead (the policy: drafting did not pay)."),
+                             ("exploration_steps", "Decode steps whose kind the policy chose to measure "
+                                                   "its cost or acceptance (either kind).")):
+                yield counter(f"cedlm_spec_decode_num_{key}", doc, c.get(f"spec_{key}", 0))
+            yield gauge("cedlm_spec_decode_enabled", "1 when the last decode step speculated.",
+                        c.get("spec_enabled", 0))
+            g = GaugeMetricFamily("cedlm_spec_decode_cost_ratio", "Measured seconds of a speculative "
+                                  "step / a plain step, by batch-size bucket.", labels=lab + ["batch_bucket"])
+            for bk, v in sorted(c.get("spec_cost_ratio_by_batch", {}).items()):
+                g.add_metric([self.model, str(bk)], v)
+            yield g
         m = CounterMetricFamily("cedlm_requests_rejected", "Requests rejected with 429, by reason.",
                                 labels=lab + ["reason"])
         for k, v in s.get("rejected", {}).items():
