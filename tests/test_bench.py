@@ -163,7 +163,8 @@ def test_quick_smoke(tmp_path, capsys):
             assert not res.get("skipped"), res.get("skipped")
             assert res["rows"], res
             long = [r for r in res["rows"] if "context" in r]       # the long-context rows, batch 1
-            assert {r["config"] for r in long} == {"plain", "dspark_block", "dspark_scheduled"}, long
+            assert {r["config"] for r in long} == {"plain", "dspark_adaptive", "dspark_block",
+                                                   "dspark_scheduled"}, long
             assert all(r["identical"] for r in long) and "contexts" in res["targets"], res["targets"]
         if name == "step_ops":               # the flag reached the figure
             assert res["config"]["decode_step"] == "static", res["config"]

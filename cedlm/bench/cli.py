@@ -10,7 +10,7 @@ QUICK_OUT = Path("bench/results/quick")
 # EngineArgs fields bench does not take as engine flags: its own --threads and --seed mean the
 # same for every figure, and the dspark figure runs plain and speculative decoding itself.
 BENCH_SKIPS = ("num_threads", "seed", "speculative", "speculative_threshold", "num_draft_tokens",
-               "engram_mmap")
+               "speculative_policy", "engram_mmap")
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +44,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     # reason (runner.skip_reason). The GPU-only figures (capacity in device memory, the decode
     # grid to batch 64) are bench/scripts/gpu_check.sh.
     add_cli_args(g, skip=BENCH_SKIPS, **{f: None for f in EngineConfig.__dataclass_fields__})
+    p.add_argument("--dspark-contexts", metavar="N,...",
+                   help="dspark figure: the long contexts of its batch-1 rows (default "
+                        "512,2048,8192,32768; --quick: 256); none: no long-context rows")
     p.add_argument("--dspark-model", type=Path, default=None, metavar="DIR",
                    help="dspark figure: the model dir with its trained drafter (mtp.safetensors; "
                         "default runs/dspark/export when it has one, else the shipped cedlm/assets/model)")
@@ -93,6 +96,18 @@ def run(args) -> int:
         if not peer_contexts or min(peer_contexts) < 1:
             raise SystemExit(f"cedlm bench: error: --peer-contexts: positive integers separated "
                              f"by commas, got {args.peer_contexts!r}")
+    dspark_contexts = None
+    if args.dspark_contexts:
+        if args.dspark_contexts.strip().lower() == "none":
+            dspark_contexts = []
+        else:
+            try:
+                dspark_contexts = [int(x) for x in args.dspark_contexts.split(",") if x.strip()]
+            except ValueError:
+                dspark_contexts = [0]
+            if not dspark_contexts or min(dspark_contexts) < 1:
+                raise SystemExit(f"cedlm bench: error: --dspark-contexts: positive integers separated "
+                                 f"by commas or none, got {args.dspark_contexts!r}")
     out = args.out or (QUICK_OUT if args.quick else FULL_OUT)
     md = args.md
     if md is None:
@@ -101,7 +116,7 @@ def run(args) -> int:
               install=args.install_peer and not args.no_install,
               profile=not args.no_profile, seed=args.seed, log=lambda s: print(s, flush=True),
               dspark_model=args.dspark_model, engine_options=engine_options,
-              peer_contexts=peer_contexts, device=device)
+              peer_contexts=peer_contexts, dspark_contexts=dspark_contexts, device=device)
     results = run_figures(names, ctx, md)
     print(f"results: {out}/  report: {md}")
     return 1 if any(r.get("error") for r in results) else 0

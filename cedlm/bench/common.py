@@ -99,6 +99,7 @@ class Ctx:
     seed: int = 0
     log: object = print
     dspark_model: Path | None = None     # dspark figure: model dir with mtp.safetensors
+    dspark_contexts: list | None = None  # dspark figure: long contexts (default: its own; [] none)
     engine_options: dict = field(default_factory=dict)   # engine flags the user set (EngineArgs names)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where models and caches live
     _models: dict = field(default_factory=dict)

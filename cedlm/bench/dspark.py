@@ -5,9 +5,12 @@ The model with its trained drafter, against the same engine without DSpark. The 
 the shipped `cedlm/assets/model` and its `mtp.safetensors`): the target plus its drafter. Prompts are the openings of held-out corpus
 documents (`data/corpus/val.txt`; `--quick` without it: Python standard-library sources, recorded
 as the figure's `prompt_source`). Each configuration runs the same prompts through a fresh
-`Engine` (same settings, prefix cache off): plain decoding; DSpark verifying the whole block
-(threshold 0); DSpark with confidence-scheduled verification (the verified length follows the
-running product of the confidences, `--speculative-threshold`). Decode time is the time spent in
+`Engine` (same settings, prefix cache off): plain decoding; DSpark under its default adaptive policy
+(`dspark_adaptive`: each step speculates or decodes plainly, whichever the engine's measurements of
+acceptance and step costs say is faster, engine/spec_policy.py; whole blocks); DSpark speculating
+every step (policy "always") verifying the whole block (threshold 0); the same with
+confidence-scheduled verification (the verified length follows the running product of the
+confidences, `--speculative-threshold`). Decode time is the time spent in
 the engine steps once every prompt is prefilled (drafting, verification, rollback, sampling),
 prefill excluded; decode speed = tokens emitted by those steps / that time. Every speculative output is
 compared token for token with the plain one. Tokens per target forward = emitted tokens /
@@ -16,8 +19,9 @@ drafts at each block position. The model, its drafter and the engines live on th
 (`--device`; a GPU is synchronised around each timed step). Before anything is timed, every
 configuration runs once per batch size (and per long context) for a few tokens: a model's first
 decode compiles or loads its decode step's graph, which timed would fall on one configuration.
-Then batch 1 at long contexts (512 to 32,768 tokens; 256 with --quick): two prompts of joined
-held-out text per context (one at 32,768), each configuration on each, the order rotated.
+Then batch 1 at long contexts (512 to 32,768 tokens; 256 with --quick; `--dspark-contexts` to
+choose, `none` for none): two prompts of joined held-out text per context (one at 32,768), each
+configuration on each, the order rotated.
 """
 from __future__ import annotations
 
@@ -90,7 +94,8 @@ def _run(ctx, model, tok, prompts, max_tokens: int, spec) -> dict:
             spent["s"] += time.perf_counter() - t0
             spent["tokens"] += sum(len(o.new_token_ids) for o in outs)
     return {"s": spent["s"], "tokens": spent["tokens"], "outputs": [r.output_ids for r in reqs],
-            "stats": e.speculator.stats if e.speculator is not None else None}
+            "stats": e.speculator.stats if e.speculator is not None else None,
+            "policy": e.speculator.policy.as_dict() if e.speculator is not None else None}
 
 
 def warm_up(ctx, model, tok, prompts, batches, configs) -> None:
@@ -109,6 +114,9 @@ def _add(a: dict, r: dict) -> None:
     a["tokens"] += r["tokens"]
     a["outputs"] += r["outputs"]
     a["stats"] = _merge_stats(a["stats"], r["stats"]) if r["stats"] is not None else a["stats"]
+    if r.get("policy") is not None:                 # engine steps that speculated / did not
+        for k in ("spec_speculative_steps", "spec_plain_steps"):
+            a[k] = a.get(k, 0) + r["policy"][k]
 
 
 def _merge_stats(a, b):
@@ -146,8 +154,9 @@ def run(ctx: Ctx) -> dict:
     n_prompts, plen, new = ctx.size(8, 2), ctx.size(48, 24), ctx.size(64, 16)
     source, docs = _documents(ctx.quick)
     prompts = _prompts(tok, docs, n_prompts, plen)
-    configs = [("plain", None), ("dspark_block", SpeculativeConfig(threshold=0.0)),
-               ("dspark_scheduled", SpeculativeConfig(threshold=THRESHOLD))]
+    configs = [("plain", None), ("dspark_adaptive", SpeculativeConfig(threshold=0.0)),
+               ("dspark_block", SpeculativeConfig(threshold=0.0, policy="always")),
+               ("dspark_scheduled", SpeculativeConfig(threshold=THRESHOLD, policy="always"))]
     rows, by = [], {}
     warm_up(ctx, model, tok, prompts, ctx.size([1, 8], [1, 2]), configs)
     for batch in ctx.size([1, 8], [1, 2]):
@@ -157,7 +166,7 @@ def run(ctx: Ctx) -> dict:
         rounds = [(g, k) for k, g in enumerate(groups)] if len(groups) > 1 else [(groups[0], 0), (groups[0], 1)]
         acc = {name: {"s": 0.0, "tokens": 0, "outputs": [], "stats": None, "ratio": []} for name, _ in configs}
         for g, k in rounds:
-            order = configs[k % 3:] + configs[: k % 3]
+            order = configs[k % len(configs):] + configs[: k % len(configs)]
             got = {}
             for name, spec in order:
                 got[name] = r = _run(ctx, model, tok, g, new, spec)
@@ -180,20 +189,29 @@ def run(ctx: Ctx) -> dict:
                           "spec_steps", "spec_draft_seconds", "spec_verify_seconds"):
                     row[k[5:]] = d[k]
                 row["draft_ms_per_step"] = 1e3 * d["spec_draft_seconds"] / max(d["spec_steps"], 1)
+            if spec is not None:
+                row["policy"] = spec.policy
+                row["speculative_steps"] = a.get("spec_speculative_steps", 0)
+                row["plain_steps"] = a.get("spec_plain_steps", 0)
             ctx.log(f"  batch {batch} {name}: {tps:.2f} tok/s, speed-up {row['speedup']:.2f}x "
                     f"(median of {len(rounds)} rounds {row['speedup_median']:.2f}x)"
-                    + (f", {row['tokens_per_forward']:.2f} tokens/forward" if spec else ""))
+                    + (f", {row['tokens_per_forward']:.2f} tokens/forward, "
+                       f"{row['speculative_steps']} steps speculated, {row['plain_steps']} plain"
+                       if spec else ""))
             rows.append(row)
             by[(batch, name)] = row
     ctx_rows = _context_rows(ctx, model, tok, docs, new, configs)
     rows += ctx_rows
     b1 = by[(1, "dspark_block")]
-    best1 = max((by[(1, n)] for n in ("dspark_block", "dspark_scheduled")), key=lambda r: r["speedup"])
+    best1 = max((by[(1, n)] for n in ("dspark_adaptive", "dspark_block", "dspark_scheduled")),
+                key=lambda r: r["speedup"])
+    worst_adaptive = min((r for r in rows if r["config"] == "dspark_adaptive"), key=lambda r: r["speedup"])
     out = {
         "config": {"model": shown, "device": str(ctx.device), "prompt_source": source,
                    "prompts": n_prompts,
                    "prompt_tokens": plen, "new_tokens": new,
-                   "greedy": True, "threshold": THRESHOLD,
+                   "greedy": True, "threshold": THRESHOLD, "policies": {
+                       name: (spec.policy if spec else None) for name, spec in configs},
                    "block_size": model.cfg.dspark_block_size, "threads": ctx.threads},
         "rows": rows,
         "target": target("decode speed-up vs the same engine without DSpark, batch 1", ">=", 1.8,
@@ -205,9 +223,15 @@ def run(ctx: Ctx) -> dict:
                               best1["speedup"], note=best1["config"]),
             "identical": target("greedy output identical to plain decoding (every run)", "==", True,
                                 all(r["identical"] for r in rows)),
+            # never slower: the adaptive policy against plain at every batch size, within the
+            # run-to-run noise of a shared machine (its exploration costs about 2% by design)
+            "adaptive": target("adaptive DSpark vs plain decoding, worst batch", ">=", 0.95,
+                               worst_adaptive["speedup"], note=f"batch {worst_adaptive['batch']}"),
         },
         "notes": ["speed-up: total decode tokens / total decode time against plain; configurations "
                   "interleaved (each prompt group runs all three back to back, order rotated); "
+                  "dspark_adaptive: the default policy (speculate where measured to pay, plain "
+                  "steps otherwise); dspark_block / dspark_scheduled speculate every step; "
                   "median over rounds (prompts at batch 1, two rounds at batch 8): " + ", ".join(
                       f"batch {r['batch']} {r['config']} {r['speedup_median']:.2f}x" for r in rows
                       if "speedup_median" in r and r["config"] != "plain"),
@@ -252,7 +276,9 @@ def _context_rows(ctx, model, tok, docs, new: int, configs) -> list[dict]:
     """Batch 1 at long contexts: per context, two prompts (rounds; one at 32k), every configuration
     back to back in a rotated order; speed-up = total tokens / total decode time against plain."""
     rows = []
-    for length in ctx.size([512, 2048, 8192, 32768], [256]):
+    default = ctx.size([512, 2048, 8192, 32768], [256])
+    chosen = getattr(ctx, "dspark_contexts", None)
+    for length in default if chosen is None else chosen:
         # two prompts (rounds) up to 8k; one at 32k, where each configuration's prefill takes longer.
         # A warm-up at each context: a longer pool can make torch.compile specialise the step's graph
         # again (seen once: the first plain run at 512 tokens at 8 tok/s against 82 after it)
@@ -260,7 +286,7 @@ def _context_rows(ctx, model, tok, docs, new: int, configs) -> list[dict]:
         warm_up(ctx, model, tok, prompts, [1], configs)
         acc = {name: {"s": 0.0, "tokens": 0, "outputs": [], "stats": None} for name, _ in configs}
         for k, p in enumerate(prompts):
-            for name, spec in configs[k % 3:] + configs[: k % 3]:
+            for name, spec in configs[k % len(configs):] + configs[: k % len(configs)]:
                 r = _run(ctx, model, tok, [p], new, spec)
                 _add(acc[name], r)
         base = acc["plain"]["tokens"] / acc["plain"]["s"]
@@ -274,7 +300,9 @@ def _context_rows(ctx, model, tok, docs, new: int, configs) -> list[dict]:
                 d = a["stats"].as_dict()
                 row.update(tokens_per_forward=d["spec_tokens_per_forward"], steps=d["spec_steps"],
                            verify_seconds=d["spec_verify_seconds"], draft_seconds=d["spec_draft_seconds"],
-                           draft_ms_per_step=1e3 * d["spec_draft_seconds"] / max(d["spec_steps"], 1))
+                           draft_ms_per_step=1e3 * d["spec_draft_seconds"] / max(d["spec_steps"], 1),
+                           speculative_steps=a.get("spec_speculative_steps", 0),
+                           plain_steps=a.get("spec_plain_steps", 0))
             ctx.log(f"  context {length:,} {name}: {row['tokens_per_s']:.2f} tok/s, speed-up "
                     f"{row['speedup']:.2f}x" + (f", {row['tokens_per_forward']:.2f} tokens/forward" if spec else ""))
             rows.append(row)
@@ -290,9 +318,11 @@ def table(res: dict) -> str:
                      f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else "1",
                      " / ".join(f"{a:.2f}" for a in acc) if acc else "",
                      f"{r['draft_ms_per_step']:.0f}" if "draft_ms_per_step" in r else "",
+                     f"{r['speculative_steps']} / {r['plain_steps']}" if "plain_steps" in r else "",
                      "yes" if r["identical"] else "**no**"])
     return md_table(["batch", "context tokens", "decoding", "tokens/s", "speed-up", "tokens / target forward",
-                     "acceptance by position", "draft ms / sequence-step", "output identical"], body)
+                     "acceptance by position", "draft ms / sequence-step", "steps speculated / plain",
+                     "output identical"], body)
 
 
 def plot(res: dict, path) -> bool:
