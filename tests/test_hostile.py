@@ -697,3 +697,49 @@ def test_a_500_says_connection_close_and_the_next_request_is_served(hostile_app,
         monkeypatch.undo()
         assert all(c.post(f"{base}/v1/completions", content=body, headers=headers).status_code == 200
                    for _ in range(3))
+
+
+def test_a_body_that_trickles_in_gets_408(monkeypatch):
+    """A body sent a byte at a time is cut at the body deadline (BODY_TIMEOUT_S plus 1 s per
+    MIN_BODY_RATE bytes received) with a 408 and connection: close; a body sent at speed is not."""
+    import socket
+    import time
+
+    from cedlm.server import body_guard
+    monkeypatch.setattr(body_guard, "BODY_TIMEOUT_S", 1.0)
+    app = make_app()
+    with serve(app) as base:
+        host, port = base.removeprefix("http://").split(":")
+        s = socket.create_connection((host, int(port)), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: 1000\r\n\r\n")
+        t0, data = time.monotonic(), b""
+        s.settimeout(0.2)
+        while time.monotonic() - t0 < 8 and b"\r\n\r\n" not in data:
+            try:
+                s.sendall(b" ")
+                data += s.recv(65536)
+            except socket.timeout:
+                pass
+            except OSError:
+                break
+        took = time.monotonic() - t0
+        s.settimeout(5)
+        try:
+            while not data.rstrip().endswith(b"}"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        except OSError:
+            pass
+        s.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), data[:300]
+        assert b"connection: close" in head.lower() and 0.9 < took < 4, took
+        err = json.loads(body)["error"]
+        assert err["code"] == "request_timeout" and "1 s plus 1 s per" in err["message"], err
+        big = {"model": MODEL, "prompt": "x " * 200_000, "max_tokens": 1}          # 400 KB, sent at speed
+        r = _post(base, "/v1/completions", big)
+        assert r.status_code == 400 and "characters" in r.text, r.text           # the prompt limit, not 408
+        assert _post(base, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 1}).status_code == 200

@@ -3,6 +3,12 @@
 `BodyGuard` receives the whole body of a POST / PUT / PATCH request whose content type is JSON (or
 absent, which FastAPI parses as JSON too), then:
 
+- bounds the time it takes: the body must arrive within `BODY_TIMEOUT_S` seconds plus one second
+  per `MIN_BODY_RATE` bytes received so far (a client sending at least that fast is never cut;
+  one that trickles a byte at a time is cut after about `BODY_TIMEOUT_S`): 408 (code
+  `request_timeout`, `connection: close`) naming the limit. The header timeout
+  (`header_timeout.py`) ends once the headers are in, so a slow body held its connection and its
+  handler as long as the client liked;
 - measures its nesting depth on the raw bytes (`protocol.json_depth.deeper_than`, no recursion):
   deeper than `max_depth` levels is a 400 (code `nesting_too_deep`) naming the limit and the
   top-level field the deep value sits in, before `json.loads` recurses into it. (Python's parser
@@ -14,6 +20,9 @@ client's disconnect still reaches the handlers). It sits inside the body-size li
 """
 from __future__ import annotations
 
+import asyncio
+import time
+
 from starlette.concurrency import run_in_threadpool
 
 from cedlm.server.errors import APIError
@@ -22,6 +31,8 @@ from cedlm.server.protocol.params import MAX_DEPTH
 
 _METHODS = frozenset({"POST", "PUT", "PATCH"})
 _INLINE_BYTES = 256 << 10          # larger bodies are measured in a worker thread (numpy frees the GIL)
+BODY_TIMEOUT_S = 10.0              # seconds a body may take, plus one per MIN_BODY_RATE bytes received
+MIN_BODY_RATE = 64 << 10           # bytes per second
 
 
 def _json_body(scope) -> bool:
@@ -43,23 +54,36 @@ def too_deep(body: bytes, max_depth: int = MAX_DEPTH) -> APIError | None:
                          f"other, at byte {hit.offset})", param=hit.key, code="nesting_too_deep")
 
 
+def too_slow(timeout: float, rate: int) -> APIError:
+    return APIError(408, f"request body: not received in time (a body may take {timeout:g} s plus 1 s per "
+                         f"{rate} bytes)", code="request_timeout", headers={"connection": "close"})
+
+
 class BodyGuard:
     """See the module docstring."""
 
-    def __init__(self, app, max_depth: int = MAX_DEPTH):
+    def __init__(self, app, max_depth: int = MAX_DEPTH, timeout: float | None = None, min_rate: int | None = None):
         self.app, self.max_depth = app, int(max_depth)
+        self.timeout = BODY_TIMEOUT_S if timeout is None else float(timeout)
+        self.min_rate = MIN_BODY_RATE if min_rate is None else int(min_rate)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not _json_body(scope):
             return await self.app(scope, receive, send)
         chunks: list[bytes] = []
         first: dict | None = None            # a disconnect before the body's end: handed on as it came
+        start, seen = time.monotonic(), 0
         while True:
-            msg = await receive()
+            left = start + self.timeout + seen / self.min_rate - time.monotonic()
+            try:
+                msg = await asyncio.wait_for(receive(), timeout=max(left, 0.0))
+            except asyncio.TimeoutError:
+                return await too_slow(self.timeout, self.min_rate).response()(scope, receive, send)
             if msg["type"] != "http.request":
                 first = msg
                 break
             chunks.append(msg.get("body", b""))
+            seen += len(chunks[-1])
             if not msg.get("more_body", False):
                 break
         body = b"".join(chunks)
