@@ -188,3 +188,25 @@ def test_the_rest_of_an_engine_step_counts_for_both_kinds():
     for _ in range(p.config.min_samples):
         p.observe("step", 1, 0.004)
     assert p.gain(1) == pytest.approx((2 / 0.0245) / (1 / 0.014)) and p.decide(1) is True
+
+
+def test_a_larger_batch_takes_a_smaller_ones_verdict_without_speculating():
+    """Speculation did not pay at batch 2 (a verification of 3 plain steps for 2 tokens): batch 8,
+    not measured yet, decodes plainly from its first step (its plain cost measured; speculation
+    estimated from batch 2's ratio, a bound, until a probe measures it)."""
+    p = primed({("plain", 2): 0.010, ("spec", 2): 0.030}, 2.0)
+    assert p.bounds(8) == (pytest.approx(3.0), None)
+    got, _ = run(p, 40, 8, spec_s=0.100, plain_s=0.020, accept=2.0)
+    assert not any(got[:20]) and p.cost("plain", 8) == pytest.approx(0.020)
+
+
+def test_a_smaller_batch_takes_a_larger_ones_verdict():
+    p = primed({("plain", 8): 0.020, ("spec", 8): 0.030}, 2.0)          # pays at batch 8
+    got, _ = run(p, 9, 2, spec_s=0.012, plain_s=0.010, accept=2.0)
+    assert all(got) and p.cost("plain", 2) is None
+
+
+def test_an_inconclusive_bound_measures_both():
+    p = primed({("plain", 1): 0.010, ("spec", 1): 0.015}, 2.0)          # pays at batch 1: no bound
+    got, _ = run(p, 5, 8, spec_s=0.100, plain_s=0.020, accept=2.0)     # for batch 8
+    assert got == [True, True, False, False, False]

@@ -22,7 +22,9 @@ The model of a step:
   hysteresis `margin`, so that noise does not flip the choice every step).
 
 Exploration keeps the estimates fresh: what is not measured yet is tried first (a speculative
-step, then a plain one, each `min_samples` times per bucket), and after that the option not
+step, then a plain one, each `min_samples` times per bucket) unless other buckets settle it
+(`bounds`: a larger batch where a smaller one found speculation did not pay decodes plainly from
+its first step), and after that the option not
 chosen is tried again (a burst of `burst` speculative steps: the first after plain steps drafts
 without the drafter's most recent context, so its acceptance is not counted; one plain step)
 whenever the credit allows: each exploited step earns `explore` x its estimated seconds, a probe
@@ -169,6 +171,28 @@ class SpecPolicy:
         c = self.costs.get((kind, bucket(n)))
         return c.value if c is not None and c.samples >= self.config.min_samples else None
 
+    def ratio(self, bk: int) -> float | None:
+        """Seconds of a speculative engine step / a plain one (decoding and the rest of the step)
+        at bucket bk, where both kinds are measured."""
+        s, p = self.cost("spec", bk), self.cost("plain", bk)
+        if s is None or p is None:
+            return None
+        o = self.cost("step", bk) or 0.0
+        return (s + o) / (p + o) if p + o > 0 else None
+
+    def bounds(self, n: int) -> tuple[float | None, float | None]:
+        """(low, high) bounds on `ratio` at n's bucket from the measured buckets below and above
+        it, on the premise that the ratio does not fall as the batch grows (a plain step is
+        bound by reading the weights, which a verification's extra rows share, until the rows
+        make it bound by compute). Speculation does not pay where acceptance < low, and pays
+        where acceptance > high; the policy takes this instead of measuring a bucket's losing
+        kind first (a larger batch is not first made to speculate where a smaller one found it
+        did not pay). Measurements of the bucket itself always win."""
+        k = bucket(n)
+        below = [r for bk in {b for _, b in self.costs} if bk < k and (r := self.ratio(bk)) is not None]
+        above = [r for bk in {b for _, b in self.costs} if bk > k and (r := self.ratio(bk)) is not None]
+        return (max(below) if below else None), (min(above) if above else None)
+
     def gain(self, n_spec: int, n_other: int = 0, acceptance: float | None = None) -> float | None:
         """rate(speculating) / rate(plain) for a step of n_spec + n_other sequences (None while a
         needed estimate is missing)."""
@@ -207,18 +231,30 @@ class SpecPolicy:
             b.burst -= 1
             return Decision(b.burst_kind, "explore")
         a = self.acceptance if acceptance is None else acceptance
-        s, p = self.cost("spec", n_spec), self.cost("plain", n_spec + n_other)
-        pm = self.cost("plain", n_other)
-        if a is None or s is None or pm is None:          # measure speculation first: the
+        if a is None:                                     # measure speculation first: the
             return Decision(True, "measuring")            # drafter's context is whole after prefill
+        s, p = self.cost("spec", n_spec), self.cost("plain", n_spec + n_other)
+        pm, o = self.cost("plain", n_other), self.cost("step", n_spec + n_other) or 0.0
+        if n_other == 0 and (s is None or p is None):
+            # a bucket not measured yet: what other buckets measured may settle it (`bounds`)
+            lo, hi = self.bounds(n_spec)
+            if lo is not None and a < lo:                 # does not pay here either
+                if p is None:
+                    return Decision(False, "measuring")
+                s = (p + o) * lo - o                      # the bound as the estimate, until probed
+            elif hi is not None and a > hi:               # pays here too
+                if s is None:
+                    return Decision(True, "measuring")
+                p = (s + o) / hi - o
+        if s is None or pm is None:
+            return Decision(True, "measuring")
         if p is None:
             return Decision(False, "measuring")
-        g = self.gain(n_spec, n_other, a)
-        best = g > (1 - cfg.margin if b.current else 1 + cfg.margin)
-        b.current = best
-        o = self.cost("step", n_spec + n_other) or 0.0
         spec_s, plain_s = s + pm + o, p + o
         tok_spec, tok_plain = n_other + a * n_spec, n_other + n_spec
+        g = (tok_spec / spec_s) / (tok_plain / plain_s)
+        best = g > (1 - cfg.margin if b.current else 1 + cfg.margin)
+        b.current = best
         b.credit += cfg.explore * (spec_s if best else plain_s)
         b.since += 1
         # a probe's loss: its time less what the chosen option takes for its tokens, plus the
