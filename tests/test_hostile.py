@@ -743,3 +743,41 @@ def test_a_body_that_trickles_in_gets_408(monkeypatch):
         r = _post(base, "/v1/completions", big)
         assert r.status_code == 400 and "characters" in r.text, r.text           # the prompt limit, not 408
         assert _post(base, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("field,value", [
+    ("guided_regex", "((a{60}){60}){60}"),
+    ("guided_regex", "(((a{60}){60}){60}){60}"),                 # ran past the compiler's 10 s budget
+    ("structured_outputs", {"regex": "x(b{100}|c){1000}"}),
+    ("guided_json", {"type": "string", "pattern": "^((a{60}){60}){60}$"}),
+    ("guided_json", {"type": "object", "patternProperties": {"^(k{300}){300}$": {"type": "integer"}}}),
+    ("guided_grammar", "start: /((a{60}){60}){60}/\n"),
+])
+def test_counted_repetitions_are_multiplied_out_and_bounded_before_compiling(hostile_app, field, value):
+    """((a{60}){60}){60} is 216,000 copies of `a` to llguidance (0.6 s of compiling, a level more
+    runs past the time budget and costs the compiler process): refused in milliseconds, naming
+    the limit."""
+    import time
+    app, base, alone = hostile_app
+    t0 = time.monotonic()
+    r = _post(base, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, field: value})
+    took = time.monotonic() - t0
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and f"more than the limit of {grammar_limits.MAX_REGEX_UNROLLED}" in err["message"]
+    assert "multiplied out" in err["message"] and took < 2.0, (took, err)
+
+
+def test_regex_unrolled_size():
+    from cedlm.server.grammar_limits import regex_unrolled
+    assert regex_unrolled("((a{60}){60}){60}") == 216_000
+    assert regex_unrolled(r"\d{4}-\d{2}-\d{2}") == 10
+    assert regex_unrolled("(a|bc){3}") == 9 and regex_unrolled("x{2,5}") == 5 and regex_unrolled("x{2,}") == 2
+    assert regex_unrolled("[{}]{10}") == 10 and regex_unrolled(r"\{3}") == 3 and regex_unrolled(r"\p{L}{5}") == 5
+    assert regex_unrolled("a*b+c?") == 3 and regex_unrolled("(" * 5000 + "a" + ")" * 5000) == 1
+
+
+def test_a_large_but_bounded_repetition_still_compiles(hostile_app):
+    app, base, _ = hostile_app
+    r = _post(base, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_regex": "a{1000}"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "aaaa", r.text

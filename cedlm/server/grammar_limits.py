@@ -10,7 +10,11 @@ iterative Python and raises `GrammarLimit` (a 400 naming the limit) when one is 
   (`MAX_SCHEMA_DEPTH`: each nested object / array level and each `$ref` hop is one level), and
   its longest chain of `$ref` hops (`MAX_REF_CHAIN`). A recursive schema (a `$ref` back to a
   schema on the current path) is fine: the cycle is not unfolded.
-- regex: its length (`MAX_REGEX_CHARS`).
+- regex: its length (`MAX_REGEX_CHARS`) and its size with counted repetitions multiplied out
+  (`regex_unrolled`, at most `MAX_REGEX_UNROLLED`): llguidance compiles `a{60}` as 60 copies of
+  `a`, so `((a{60}){60}){60}` is 216,000 of them (0.6 s of compiling; one more level of 60 runs
+  past the compiler's time budget, and costs its process). The same bound applies to the
+  `pattern`s of a JSON schema and the regex terminals (`/.../`) of a Lark grammar.
 - Lark / GBNF grammar: its length (`MAX_GRAMMAR_CHARS`) and number of rules (`MAX_GRAMMAR_RULES`).
 - choice: the number of options (`MAX_CHOICES`) and their total length (`MAX_CHOICE_CHARS`).
 
@@ -27,11 +31,16 @@ MAX_SCHEMA_BYTES = 256 << 10
 MAX_SCHEMA_DEPTH = 128
 MAX_REF_CHAIN = 64
 MAX_REGEX_CHARS = 8192
+MAX_REGEX_UNROLLED = 65536
 MAX_GRAMMAR_CHARS = 128 << 10
 MAX_GRAMMAR_RULES = 1000
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 64 << 10
 
+# A counted repetition: {m}, {m,}, {m,n}.
+_COUNT = re.compile(r"\{(\d+)(,)?(\d*)\}")
+# A regex terminal of a Lark grammar: /.../flags.
+_LARK_REGEX = re.compile(r"/((?:[^/\\\n]|\\.)+)/[imslux]*")
 # A rule (or terminal) definition at the start of a line: Lark `name:` / `?name:` / `NAME.2:`,
 # GBNF `name ::=`.
 _RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*(?:\.-?\d+)?[ \t]*(?::|::=)", re.MULTILINE)
@@ -50,9 +59,11 @@ def check_constraint(param: str, kind: str, value: Any) -> None:
     grammar) exceeds a bound; type errors are left to the compiler's own messages."""
     if kind == "json_schema":
         check_schema(param, value)
-    elif kind == "regex" and isinstance(value, str) and len(value) > MAX_REGEX_CHARS:
-        raise GrammarLimit(param, f"the regex has {len(value)} characters, more than the limit of "
-                                  f"{MAX_REGEX_CHARS}")
+    elif kind == "regex" and isinstance(value, str):
+        if len(value) > MAX_REGEX_CHARS:
+            raise GrammarLimit(param, f"the regex has {len(value)} characters, more than the limit of "
+                                      f"{MAX_REGEX_CHARS}")
+        check_regex(param, value)
     elif kind == "grammar" and isinstance(value, str):
         check_grammar(param, value)
     elif kind == "choice" and isinstance(value, list):
@@ -71,6 +82,80 @@ def check_grammar(param: str, grammar: str) -> None:
     rules = len(_RULE.findall(grammar))
     if rules > MAX_GRAMMAR_RULES:
         raise GrammarLimit(param, f"the grammar has {rules} rules, more than the limit of {MAX_GRAMMAR_RULES}")
+    for m in _LARK_REGEX.finditer(grammar):
+        check_regex(param, m.group(1), "a regex terminal of the grammar")
+
+
+def check_regex(param: str, pattern: str, what: str = "the regex") -> None:
+    n = regex_unrolled(pattern)
+    if n > MAX_REGEX_UNROLLED:
+        raise GrammarLimit(param, f"{what} unrolls to {n} items (counted repetitions such as {{60}} multiplied "
+                                  f"out), more than the limit of {MAX_REGEX_UNROLLED}")
+
+
+def regex_unrolled(pattern: str) -> int:
+    """The size of a regex with its counted repetitions multiplied out: each literal, class or
+    escape is 1, a sequence and an alternation add up, `x{m,n}` is x times max(m, n) (`x{m,}`: m
+    times), `*`, `+` and `?` leave x as it is. No recursion (a deep nest of groups costs none)."""
+    stack: list[tuple[int, int]] = []
+    alt = seq = last = 0
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            j = i + 2
+            if j < n and pattern[i + 1] in "pPxuU" and pattern[j] == "{":
+                close = pattern.find("}", j)
+                j = n if close < 0 else close + 1
+            atom, i = 1, j
+        elif c == "[":
+            j = i + 1
+            j += j < n and pattern[j] == "^"
+            j += j < n and pattern[j] == "]"
+            depth = 1
+            while j < n and depth:
+                if pattern[j] == "\\":
+                    j += 2
+                    continue
+                depth += {"[": 1, "]": -1}.get(pattern[j], 0)
+                j += 1
+            atom, i = 1, j
+        elif c == "(":
+            stack.append((alt, seq))
+            alt = seq = last = 0
+            i += 1
+            continue
+        elif c == ")":
+            inner = max(alt + seq, 1)
+            alt, seq = stack.pop() if stack else (0, 0)
+            atom, i = inner, i + 1
+        elif c == "|":
+            alt, seq, last = alt + seq, 0, 0
+            i += 1
+            continue
+        elif c == "{" and (m := _COUNT.match(pattern, i)) and last:
+            lo, comma, hi = m.groups()
+            k = _count(hi) if hi else _count(lo)
+            k = max(k, _count(lo)) if comma else k
+            seq += last * (k - 1)
+            last *= k
+            i = m.end()
+            continue
+        elif c in "*+?":
+            i += 1
+            continue
+        else:
+            atom, i = 1, i + 1
+        seq += atom
+        last = atom
+    total = alt + seq
+    for a, s in stack:                          # unclosed groups (the compiler reports them)
+        total += a + s
+    return total
+
+
+def _count(digits: str) -> int:
+    return int(digits) if len(digits) <= 9 else 10**9
 
 
 def _pointer(root: Any, ref: str) -> Any:
@@ -128,6 +213,23 @@ def check_schema(param: str, schema: Any) -> None:
                                       f"(counting $ref hops)")
         if hops > MAX_REF_CHAIN:
             raise GrammarLimit(param, f"the JSON schema has a chain of more than {MAX_REF_CHAIN} $ref hops")
+    _check_patterns(param, schema)
+
+
+def _check_patterns(param: str, schema: Any) -> None:
+    """The regex bound for every `pattern` and `patternProperties` key of a JSON schema."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                check_regex(param, node["pattern"], "a pattern of the JSON schema")
+            if isinstance(node.get("patternProperties"), dict):
+                for k in node["patternProperties"]:
+                    check_regex(param, k, "a patternProperties key of the JSON schema")
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
 
 
 def _children(root: Any, node: Any) -> list[tuple[Any, int]]:
