@@ -291,7 +291,7 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
                                    default_max_tokens=default_max_tokens or None)
     app.state.worker, app.state.engine, app.state.aliases, app.state.metrics = worker, engine, table, metrics
     app.state.server.images = image_options(getattr(engine, "model", None), allow_remote_images)   # server/images.py
-    app.add_middleware(BodyGuard)                     # JSON nesting depth, before parsing (body_guard.py)
+    app.add_middleware(BodyGuard)                     # body deadline, JSON nesting depth (body_guard.py)
     if max_body_bytes is not None:
         app.add_middleware(_BodyLimit, max_bytes=int(max_body_bytes))
     if api_key:                                       # before the body limit and any parsing
