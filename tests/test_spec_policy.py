@@ -2,7 +2,7 @@
 acceptance, without a model; simulated runs for exploration and for a change of costs."""
 import pytest
 
-from cedlm.engine.spec_policy import PolicyConfig, SpecPolicy, StepCost, bucket
+from cedlm.engine.spec_policy import Acceptance, PolicyConfig, SpecPolicy, StepCost, bucket
 
 
 def primed(costs: dict, acceptance: float, **cfg) -> SpecPolicy:
@@ -11,7 +11,7 @@ def primed(costs: dict, acceptance: float, **cfg) -> SpecPolicy:
     for (kind, n), s in costs.items():
         for _ in range(p.config.min_samples):
             p.observe(kind, n, s)
-    p.observe_acceptance([acceptance])
+    p.observe_acceptance([acceptance] * p.config.min_verifies)
     return p
 
 
@@ -84,6 +84,7 @@ def test_sequences_that_cannot_speculate_cost_an_extra_forward():
 
 def test_hysteresis_keeps_the_current_choice_near_break_even():
     p = primed({("plain", 8): 0.010, ("spec", 8): 0.015}, 2.0)
+    p.measured.ratios.clear()                         # the costs as set below
     assert p.decide(8) is True
     p.costs[("spec", 8)].value = 0.0198               # gain 1.01: within the margin
     assert p.decide(8) is True
@@ -210,3 +211,69 @@ def test_an_inconclusive_bound_measures_both():
     p = primed({("plain", 1): 0.010, ("spec", 1): 0.015}, 2.0)          # pays at batch 1: no bound
     got, _ = run(p, 5, 8, spec_s=0.100, plain_s=0.020, accept=2.0)     # for batch 8
     assert got == [True, True, False, False, False]
+
+
+def test_acceptance_is_the_mean_while_samples_are_few():
+    a = Acceptance(alpha=0.25)
+    assert a.value is None and a.estimate(2.0, 2.0) == 2.0
+    a.add(2.0)
+    assert a.value == pytest.approx(2.0)
+    a.add(4.0)                                         # weights 0.25 x 0.75 and 0.25
+    assert a.value == pytest.approx((2.0 * 0.1875 + 4.0 * 0.25) / 0.4375)
+    b = Acceptance(alpha=0.25)
+    b.add(4.0)
+    assert b.estimate(2.0, 2.0) == pytest.approx(4.0 / 3 + 2.0 * 2 / 3)   # leans on the prior
+    for _ in range(20):
+        b.add(4.0)
+    assert b.estimate(2.0, 2.0) > 3.8
+
+
+def test_a_sequence_that_drafts_well_speculates_where_the_average_does_not():
+    """The global average (1.6 tokens per verification) says a verification of 2 plain steps does
+    not pay; a batch whose sequences verified 3.5 on their own says it does."""
+    p = primed({("plain", 2): 0.010, ("spec", 2): 0.020}, 1.6)
+    p.observe_acceptance([1.6] * 50)                    # many sequences before these two
+    assert p.decide(2, 0, p.batch_acceptance([None, None])) is False
+    good = [p.sequence_acceptance() for _ in range(2)]
+    p.observe_acceptance([3.5, 3.5, 3.5, 3.5], [good[0], good[1], good[0], good[1]])
+    assert p.acceptance < 2.0                           # the global average moved a little
+    a = p.batch_acceptance(good)
+    assert a > 2.5 and p.decide(2, 0, a) is True
+    assert p.batch_acceptance([good[0], None]) == pytest.approx((good[0].estimate(p.acceptance, 2.0)
+                                                                 + p.acceptance) / 2)
+
+
+def test_one_verification_is_not_trusted():
+    """The first verified block accepted nothing: speculation goes on until min_verifies
+    sequences are counted, rather than decoding plainly ever after on one sample."""
+    p = SpecPolicy()
+    for kind, s in (("plain", 0.010), ("spec", 0.015)):
+        for _ in range(2):
+            p.observe(kind, 1, s)
+    p.observe_acceptance([1.0])
+    assert p.decide(1) is True and p.last.reason == "measuring"
+    p.observe_acceptance([3.0] * (p.config.min_verifies - 1))
+    assert p.decide(1) is True and p.last.reason == "exploit"
+
+
+def test_the_paired_ratio_outlasts_a_change_of_load():
+    """Measured under load (spec 60 ms, plain 20 ms, close together: a ratio of 3), then plain
+    steps only; later, the machine quiet, another engine sharing the measurements (policy
+    'always') sees spec steps of 30 ms. The stale plain estimate (20 ms) would make speculation
+    look cheap (2 x 20 / 30); the ratio anchors plain on the fresh spec estimate (10 ms)."""
+    t = [0.0]
+    clock = lambda: t[0]                                # noqa: E731
+    adaptive = SpecPolicy(clock=clock)
+    always = SpecPolicy(PolicyConfig(mode="always"), adaptive.measured, clock=clock)
+    for kind, sec in (("spec", 0.060), ("spec", 0.060), ("plain", 0.020), ("plain", 0.020)):
+        t[0] += 0.1
+        adaptive.observe(kind, 8, sec)
+    adaptive.observe_acceptance([2.0] * 8)
+    assert adaptive.measured.ratios[8].value == pytest.approx(3.0)
+    t[0] += 600                                         # later: quiet
+    for _ in range(20):
+        t[0] += 0.1
+        always.observe("spec", 8, 0.030)
+    assert adaptive.cost("plain", 8) == pytest.approx(0.020)                   # stale
+    assert adaptive.paired(8) == (pytest.approx(0.030, rel=0.02), pytest.approx(0.010, rel=0.02))
+    assert adaptive.gain(8) == pytest.approx(2.0 / 3.0) and adaptive.decide(8) is False

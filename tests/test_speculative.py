@@ -325,7 +325,7 @@ def test_adaptive_falls_back_to_plain_steps_where_drafting_does_not_pay(tiny):
         for _ in range(pol.config.min_samples):
             pol.observe("plain", n, 0.010)
             pol.observe("spec", n, 0.040)
-    pol.observe_acceptance([2.0])
+    pol.observe_acceptance([2.0] * pol.config.min_verifies)
     pol.observe = lambda kind, n, seconds: None         # the given costs stay
     _assert_greedy_identical(tiny, prompts, ref, _generate(e, prompts, params))
     c = e.all_counters()

@@ -206,6 +206,7 @@ class DSparkSpeculator:
         self.decoder = decoder
         self._step_mode = self._decoder_mode()
         self._decode_s = 0.0                        # this engine step's decoding so far
+        self._accept = weakref.WeakKeyDictionary()  # sequence runtime -> its own acceptance
         self.stats = SpecStats(verified_at=[0] * N, accepted_at=[0] * N)
         static = decoder is not None and decoder.mode != "eager"
         self.step = VerifyStep.of(decoder, 1 + self.k_max, log=log) if static else None
@@ -225,14 +226,16 @@ class DSparkSpeculator:
             return False
         return self.policy.mode == "always" or params.greedy or params.seed is None
 
-    def decide(self, n_spec: int, n_other: int = 0) -> bool:
-        """Whether this decode step speculates for its n_spec sequences that may (n_other decode
-        one token plainly in any case): the policy's choice (`SpecPolicy.decide`)."""
+    def decide(self, n_spec: int, n_other: int = 0, runs=None) -> bool:
+        """Whether this decode step speculates for its n_spec sequences that may (runs: their
+        runtimes; n_other decode one token plainly in any case): the policy's choice
+        (`SpecPolicy.decide`) for the acceptance expected of these sequences."""
         mode = self._decoder_mode()
         if mode != self._step_mode:                 # another step now: its costs are to measure
             self._step_mode = mode
             self.policy.reset_costs()
-        return self.policy.decide(n_spec, n_other)
+        a = None if runs is None else self.policy.batch_acceptance([self._accept.get(u) for u in runs])
+        return self.policy.decide(n_spec, n_other, a)
 
     def observe(self, kind: str, n: int, seconds: float) -> None:
         """The engine's decode step of `kind` ("plain" | "spec") over n sequences took seconds."""
@@ -383,7 +386,9 @@ class DSparkSpeculator:
             kept.append(1 + n_acc)
             emitted.append(toks)
         if prop.counted is not None:
-            self.policy.observe_acceptance([n for n, c in zip(kept, prop.counted) if c])
+            rows = [b for b, c in enumerate(prop.counted) if c]
+            seqs = [self._accept.setdefault(runs[b], self.policy.sequence_acceptance()) for b in rows]
+            self.policy.observe_acceptance([kept[b] for b in rows], seqs)
         if static:
             self.step.commit(ids.tolist(), states, out, kept)
         else:
