@@ -12,6 +12,7 @@ import sys
 COMMANDS = [
     ("serve", "cedlm.server.cli", "serve the model over an OpenAI-compatible HTTP API"),
     ("generate", "cedlm.engine.cli", "generate a completion for one prompt"),
+    ("warmup", "cedlm.engine.warmup_cli", "compile the decode step's graphs ahead of time (cached on disk)"),
     ("plan", "cedlm.plan", "KV bytes, parameter counts and sequences that fit"),
     ("data", "cedlm.data.cli", "build the training corpus"),
     ("tokenizer", "cedlm.data.cli", "train or inspect tokenizers"),
@@ -35,15 +36,16 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """`cedlm`'s parser. command: the sub-command being run (its module registers its parser);
-    None or an unknown name: every sub-command as a name and a help line (nothing imported)."""
+    """`cedlm`'s parser. command: the sub-command being run (only its module is imported and
+    registers its parser); another string (none, or an unknown name): every sub-command as a
+    name and a help line, nothing imported; None: every sub-command's full parser."""
     from cedlm import __version__
     parser = argparse.ArgumentParser(prog="cedlm", description=__doc__)
     parser.add_argument("--version", action="version", version=f"cedlm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
-    mods = {mod for name, mod, _ in COMMANDS if name == command}
+    mods = {mod for name, mod, _ in COMMANDS if command is None or name == command}
     if mods:
-        for mod in mods:
+        for mod in dict.fromkeys(m for _, m, _ in COMMANDS if m in mods):     # in table order
             importlib.import_module(mod).add_parser(sub)
     else:
         for name, _, help_line in COMMANDS:
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         else:
             argv = legacy_argv(argv)
-    parser = build_parser(argv[0] if argv else None)
+    parser = build_parser(argv[0] if argv else "")
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -131,11 +131,13 @@ def test_serve_reports_its_device(monkeypatch, capsys, caplog):
     from cedlm.server import cli
     p = argparse.ArgumentParser()
     cli.add_parser(p.add_subparsers())
-    args = p.parse_args(["serve", "--model", "tiny", "--port", "1", "--kv-budget", "8M"])
+    args = p.parse_args(["serve", "--model", "tiny", "--port", "0", "--kv-budget", "8M"])
     assert args.device is None                          # auto
     apps = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    # the server's start without serving: the app it listens with loads the model at once
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: apps.append(self.config.app.build()))
     monkeypatch.delenv("CEDLM_API_KEY", raising=False)
+    cli.configure_logging("info")                     # its handler in place, then let records reach caplog
     with caplog.at_level(logging.INFO, logger="cedlm.server"):
         monkeypatch.setattr(logging.getLogger("cedlm"), "propagate", True)
         assert cli.run(args) == 0

@@ -153,7 +153,7 @@ def test_graph_buffers_match_the_unpadded_step(shipped, paged):
     in place). Same decisions and logits as the unpadded step within float rounding (a dummy row
     and wider masks change the matrix products' blocking, not the math), and every state byte
     written back equal."""
-    states, toks = _states(shipped, [5, 40, 200, 70], paged, seed=3)
+    states, toks = _states(shipped, [5, 40, 520, 70], paged, seed=3)
     step = CompiledDecode(shipped, "static")
     graphs = StepGraphs(step_.decode_step, capture=False)
     widened = False
@@ -189,7 +189,7 @@ def test_graph_buffers_match_the_unpadded_step(shipped, paged):
                 assert a.kv[s].n == b.kv[s].n
         toks[:B] = ref_logits.argmax(-1).tolist()
     assert len(graphs.graphs) >= 3                      # buckets 4, 1, 2 (and table widths)
-    assert widened == paged                             # 200 tokens: 4 blocks + spare -> 8 columns
+    assert widened == paged                             # 520 tokens: 9 blocks + spare -> 16 columns
 
 
 @torch.no_grad()

@@ -4,6 +4,7 @@ built in the background. `cedlm --help` imports no torch."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -85,7 +86,8 @@ def test_cold_server_answers_before_its_compile_finishes(tmp_path):
     log = open(tmp_path / "serve.log", "wb")
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "cedlm.cli", "serve", "--model", "tiny", "--port", str(port),
-                             "--threads", "1", "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                             "--threads", "1", "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)       # its compiler processes in its group
     base = f"http://127.0.0.1:{port}"
     seen = []
     try:
@@ -117,6 +119,16 @@ def test_cold_server_answers_before_its_compile_finishes(tmp_path):
         assert answered < 60, answered
     finally:
         stop_process(proc, 15)
+        try:                                  # the compiler processes it left running
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         log.close()
     text = (tmp_path / "serve.log").read_text()
     assert "compiling decode graph for batch 1 (1/2) in the background" in text, text[-2000:]
+
+
+def test_warmup_command_reports_what_it_compiled(capsys):
+    rc = main(["warmup", "--model", "tiny", "--decode-step", "static"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "nothing to compile (decode step static)" in err, err

@@ -83,6 +83,12 @@ def run(args) -> int:
     from cedlm.engine.args import EngineConfig
     engine_options = {f: getattr(args, f) for f in EngineConfig.__dataclass_fields__
                       if getattr(args, f, None) is not None}
+    if args.quick and "decode_step" not in engine_options:
+        # a smoke run: the same step uncompiled, so that a cold machine does not spend its
+        # minutes compiling graphs (the full run, or --decode-step compiled, measures them)
+        engine_options["decode_step"] = "static"
+        print("cedlm bench: --quick runs the decode step uncompiled (--decode-step compiled to "
+              "compile it)", flush=True)
     try:
         EngineConfig(**engine_options)
     except ValueError as e:

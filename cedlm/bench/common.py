@@ -291,8 +291,7 @@ def synth_ced_state(model, context: int, seed: int = 0, margin: int = 64, pool=N
         st = model.new_state(pool.rows(BlockTable(pool)))
     else:
         st = model.new_state()
-    st.num_tokens = context
-    st.token_ids = torch.randint(0, cfg.vocab_size, (context,), generator=g, device="cpu").tolist()
+    st.set_tokens(torch.randint(0, cfg.vocab_size, (context,), generator=g, device="cpu").tolist())
     for kind, store, fmt, dim in (("kv", st.kv, cfg.main_kv_format, cfg.head_dim),
                                   ("idx", st.index, cfg.index_kv_format, cfg.index_head_dim)):
         for s, rows in store.items():

@@ -77,8 +77,7 @@ def device_states(model, context: int, batch: int, device, seed: int = 0, margin
         slots = pos % win
         st.window_all[:, slots] = tiled(pos.numel(), layout.window_dim, layout.window_fmt)
         st.window_pos_all[:, slots] = pos
-        st.num_tokens = context
-        st.token_ids = torch.randint(0, cfg.vocab_size, (context,), generator=host, device="cpu").tolist()
+        st.set_tokens(torch.randint(0, cfg.vocab_size, (context,), generator=host, device="cpu").tolist())
         states.append(st)
     return states
 

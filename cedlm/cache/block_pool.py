@@ -116,9 +116,11 @@ class BlockPool:
             self.stats["prefix_cached_tokens"] += len(out) * self.block_tokens
         return out
 
-    def rows(self, table: "BlockTable"):
-        """Factory for SequenceState(rows=...): paged rows of each row kind over one block table."""
-        return lambda spec: PagedRows(self, table, spec.key, spec.width)
+    def rows(self, table: "BlockTable", allocate: bool = True):
+        """Factory for SequenceState(rows=...): paged rows of each row kind over one block table.
+        allocate=False (the engine's sequences, whose blocks the scheduler reserves before a
+        step): an append past the table's blocks is an error, never an allocation."""
+        return lambda spec: PagedRows(self, table, spec.key, spec.width, allocate)
 
 
 class BlockTable:
@@ -150,16 +152,23 @@ class BlockTable:
 class PagedRows:
     """Rows of one kind of one sequence, stored in the pool's blocks (ByteRows interface)."""
 
-    def __init__(self, pool: BlockPool, table: BlockTable, key: tuple[str, int], width: int):
+    def __init__(self, pool: BlockPool, table: BlockTable, key: tuple[str, int], width: int,
+                 allocate: bool = True):
         self.pool, self.table, self.key, self.width = pool, table, key, width
         self.per_block = pool.per_block[key]
+        self.allocate = allocate
         self.n = 0
 
     def append(self, rows: torch.Tensor) -> None:
         k = rows.shape[0]
         if k == 0:
             return
-        self.table.ensure(-(-(self.n + k) // self.per_block))
+        need = -(-(self.n + k) // self.per_block)
+        if self.allocate:
+            self.table.ensure(need)
+        elif need > len(self.table.blocks):
+            raise RuntimeError(f"paged rows {self.key}: {self.n + k} rows need {need} blocks, the "
+                               f"table holds {len(self.table.blocks)} (slots are reserved before a step)")
         data = self.pool.data[self.key]
         j = self.n
         while j < self.n + k:               # copy block by block

@@ -182,7 +182,7 @@ class KVCacheManager:
     # ---------------------------------------------------------------- rows for a sequence
     def rows(self, req):
         """Row factory for a SequenceState whose global rows live in req's blocks."""
-        return self.pool.rows(self.tables[req.request_id])
+        return self.pool.rows(self.tables[req.request_id], allocate=False)
 
     # ---------------------------------------------------------------- store spill
     def _stored_keys(self) -> set[str]:

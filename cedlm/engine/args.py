@@ -16,11 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from cedlm.engine.spec_policy import POLICIES
-from cedlm.engine.speculative import METHODS, SpeculativeConfig
-from cedlm.model import PREFILL_MODES
-from cedlm.model.compiled_step import MODES as DECODE_STEPS
-from cedlm.model.replay import REPLAY_MODES
+from cedlm.config.modes import DECODE_STEPS, PREFILL_MODES, REPLAY_MODES
+from cedlm.config.modes import SPEC_METHODS as METHODS, SPEC_POLICIES as POLICIES
 
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -121,9 +118,10 @@ class EngineArgs(EngineConfig):
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig)})
 
-    def speculative_config(self) -> SpeculativeConfig | None:
+    def speculative_config(self) -> "SpeculativeConfig | None":
         if self.speculative is None:
             return None
+        from cedlm.engine.speculative import SpeculativeConfig
         return SpeculativeConfig(self.speculative, self.speculative_threshold, self.num_draft_tokens,
                                  self.speculative_policy)
 

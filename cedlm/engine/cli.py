@@ -90,9 +90,10 @@ def _run(args) -> int:
     from cedlm.util import describe_device
     device = describe_device(llm.device)
     print(f"{PROG}: device {device}", file=sys.stderr, flush=True)
-    # the decode step's graph for one sequence compiled (or loaded from the cache) here, so that
-    # tok/s below is generation speed; its time is reported apart
-    compile_s = sum(llm.engine.warm_up((1,)).values())
+    # the decode step's graph for one sequence is built (or loaded from the cache) in the
+    # background while this generates on the same step uncompiled; the engine switches to it at
+    # a step boundary once it is ready (a short generation may finish first)
+    bg = llm.engine.compile_in_background((1,))
     t1 = time.monotonic()
     try:
         if args.chat:
@@ -105,11 +106,13 @@ def _run(args) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
     dt = time.monotonic() - t1
+    compile_s = sum(bg.seconds.values()) if bg is not None and bg.done else 0.0
     st = llm.stats()
     stats = {
         "prompt_tokens": len(out.prompt_token_ids), "generated_tokens": len(out.token_ids),
         "tokens_per_s": len(out.token_ids) / dt if dt > 0 else None, "elapsed_s": dt,
         "load_s": t1 - t0, "device": device, "decode_step_compile_s": compile_s,
+        "decode_step": llm.engine.decoder.active_mode,
         "finish_reason": out.finish_reason,
         "kv_bytes_per_token": st["kv_bytes_per_token"],
         "kv_bytes_peak": dict(llm.engine.peak), "prefix_cache_queries": st["prefix_queries"],
@@ -135,8 +138,9 @@ def _run(args) -> int:
               f"{tps} tok/s, global KV {stats['kv_bytes_per_token']:g} B/token, "
               f"peak KV bytes {stats['kv_bytes_peak']}, "
               f"prefix-cache hits {stats['prefix_cache_hits']}/{stats['prefix_cache_queries']}"
-              + (f", decode step compiled or loaded in {compile_s:.1f} s before generating"
-                 if compile_s else "") + "]",
+              + f", decode step {llm.engine.decoder.active_mode}"
+              + (f" (compiled or loaded in {compile_s:.1f} s in the background)" if compile_s else "")
+              + "]",
               file=sys.stderr)
         if out.prompt_logprobs is not None:
             ppl = stats["prompt_perplexity"]

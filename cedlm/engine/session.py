@@ -49,9 +49,9 @@ def state_from_record(model: CEDModel, rec: Record, fingerprint: bytes) -> Seque
     try:
         t = rec.tensors()
         ids = t["token_ids"].tolist()
-        st.num_tokens, st.token_ids = int(rec.meta["num_tokens"]), ids
-        if len(ids) != st.num_tokens:
+        if len(ids) != int(rec.meta["num_tokens"]):
             return None
+        st.set_tokens(ids)
         cfg = model.cfg
         for s, rows in st.kv.items():
             arr = t[f"kv.{s}"]

@@ -28,7 +28,7 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
-NICE = 10                   # the compile thread's (and its compiler processes') niceness
+NICE = 5                    # the compile thread's (and its compiler processes') niceness
 HEARTBEAT_S = 30.0          # a "still compiling" line this often
 
 

@@ -44,6 +44,9 @@ ENV_VAR = "CEDLM_DECODE_STEP"
 # (cedlm/__init__.py points TORCHINDUCTOR_CACHE_DIR at ~/.cache/cedlm/inductor: a second start
 # of the same model loads the compiled graphs instead of compiling them)
 MODES = DECODE_STEPS
+# torch.compile's backend for the compiled steps. Another one ("eager": dynamo's capture and
+# guards without code generation) lets a test count graphs and recompilations in seconds.
+BACKEND = "inductor"
 
 
 def default_mode(device=None) -> str:
@@ -76,6 +79,9 @@ def compile_step(device, fn=None, one_row_products: bool = False):
     """`fn` (default `step.decode_step`; a copy of its own, `own_copy`) through torch.compile for
     a model on `device`: the decode step's graphs (`one_row_products`), the verify step's
     (`verify_step.py`) or the draft step's (`draft_step.py`)."""
+    if BACKEND != "inductor":
+        return torch.compile(own_copy(fn or step_.decode_step), backend=BACKEND, fullgraph=True,
+                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
     options = {}
     if one_row_products and torch.device(device).type == "cpu":
         # The decode step's one-row products (batch 1) as multiply-and-sum loops that inductor
@@ -489,5 +495,4 @@ class CompiledDecode:
                 r = self.shapes.ratio[s]
                 end = p % r + n
                 st.pending[s] = (pk[b, end - end % r: end].to(sdev), pg[b, end - end % r: end].to(sdev))
-            st.token_ids.extend(rows[b][:n])
-            st.num_tokens = p + n
+            st.advance(rows[b][:n])

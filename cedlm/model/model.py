@@ -227,11 +227,9 @@ class CEDModel(nn.Module):
         first = tuple(st.num_tokens for st in states)
         pos = torch.tensor(first, dtype=torch.int64, device=dev).view(-1, 1)
         cache = ByteKVCache(self.kv_layout, states)
-        for st, t in zip(states, host.tolist()):
-            st.token_ids.append(t)
         x, pre = self.encoder_pass(ids, pos, cache, first=first)
-        for st in states:
-            st.num_tokens += 1
+        for st, t in zip(states, host.tolist()):
+            st.advance((t,))
         return self.decoder_pass(x, pre, pos, cache, ids=ids)[:, -1]
 
     def offload_engram(self, directory) -> None:

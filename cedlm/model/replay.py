@@ -96,11 +96,10 @@ class PrefillRun:
         T, p0 = host.shape[0], st.num_tokens
         part = host.to(self.device, non_blocking=True)[None]
         pos = torch.arange(p0, p0 + T, device=self.device)[None]
-        st.token_ids.extend(host.tolist())
         if self.on_rows is not None:
             return self._scored_step(part, pos)
         x, pre = self.model.encoder_pass(part, pos, self.cache, images=[st.images], first=(p0,))
-        st.num_tokens += T
+        st.advance(host.tolist())
         self.done_tokens = c0 + T
         keep = min(T, max(0, c0 + T - (self.S - self.M)))          # rows of this chunk in the tail
         if keep:
@@ -120,7 +119,7 @@ class PrefillRun:
         p0 = st.num_tokens
         cache = ByteKVCache(self.model.kv_layout, [st], keep_stash_from=p0)
         x, pre = self.model.encoder_pass(part, pos, cache, images=[st.images], first=(p0,))
-        st.num_tokens += T
+        st.advance(part[0].tolist())
         self.done_tokens = c0 + T
         logits = self.model.decoder_pass(x, pre, pos, cache, ids=part)[0]
         self.on_rows(logits, c0)
@@ -139,7 +138,8 @@ def persisted_copy(model, state: SequenceState) -> SequenceState:
     """What persistence keeps of `state`, as a new state: the global KV and index-key rows, the
     compressor pending rows, token ids and images; no window rings (what `replay` rebuilds)."""
     new = model.new_state()
-    new.num_tokens, new.token_ids, new.images = state.num_tokens, list(state.token_ids), list(state.images)
+    new.set_tokens(state.token_ids)
+    new.images = list(state.images)
     for s in state.kv:
         new.kv[s].append(state.kv[s].view().clone())
     for s in state.index:

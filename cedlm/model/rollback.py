@@ -99,11 +99,9 @@ def verify(model, input_ids, states: list[SequenceState], taps: bool = False):
            + torch.arange(T, device=dev))
     cache = ByteKVCache(model.kv_layout, states)
     with capture(model, taps) as cap:
-        for st, row in zip(states, host.tolist()):
-            st.token_ids.extend(row)
         x, pre = model.encoder_pass(ids, pos, cache, first=first)
-        for st in states:
-            st.num_tokens += T
+        for st, row in zip(states, host.tolist()):
+            st.advance(row)
         logits = model.decoder_pass(x, pre, pos, cache, ids=ids)
     return logits, cap
 
@@ -118,8 +116,7 @@ def rollback(model, state: SequenceState, m: Mark, n_keep: int, cap: Captured, b
     if n_keep == m.T:
         return
     keep = m.num_tokens + n_keep
-    state.num_tokens = keep
-    del state.token_ids[keep:]
+    state.truncate(keep)
     for l, (slots, w, wp) in m.window.items():
         rs = slots[n_keep:]
         state.window[l][rs] = w[n_keep:]

@@ -79,8 +79,10 @@ class SequenceState:
     def __init__(self, layout: KVLayout, rows=None, device: torch.device | str = "cpu"):
         self.layout = layout
         self.device = torch.empty(0, device=device).device      # "cuda" -> the current "cuda:N"
-        self.num_tokens = 0                       # positions 0..num_tokens-1 seen by the encoder
-        self.token_ids: list[int] = []
+        # positions 0..num_tokens-1 seen by the encoder, and their ids (Engram history; what
+        # persistence stores): written only through `advance`, `truncate` and `set_tokens`
+        self._num_tokens = 0
+        self._token_ids: list[int] = []
         # Image spans of the prompt (vision models): (start position, embeddings [L, D]); read
         # by prefill and replay to splice the image rows in (cedlm.model.vision.splice).
         self.images: list = []
@@ -100,6 +102,39 @@ class SequenceState:
         # Incomplete compressor group: fp32 [k, dim] projections and gate logits.
         self.pending = {s: (torch.zeros(0, d, device=self.device), torch.zeros(0, d, device=self.device))
                         for s, _, d in layout.pending}
+
+    # ---------------------------------------------------------------- tokens
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids of positions 0..num_tokens-1 (read it; `advance` / `truncate` change it)."""
+        return self._token_ids
+
+    def advance(self, ids) -> None:
+        """The tokens `ids` (ints, in order) have been through the model at positions
+        num_tokens, num_tokens + 1, ...: the prefill, the decode step (eager or compiled), a
+        verified block and replay all record them here, after their pass (a pass reads the
+        history before its first position only)."""
+        ids = [int(t) for t in ids]
+        self._token_ids.extend(ids)
+        self._num_tokens += len(ids)
+
+    def truncate(self, n: int) -> None:
+        """Forget the tokens from position n on (a rejected draft); the caches are the caller's
+        (`rollback.rollback` restores the windows and rows)."""
+        if not 0 <= n <= self._num_tokens:
+            raise ValueError(f"truncate: {n} not in [0, {self._num_tokens}]")
+        self._num_tokens = n
+        del self._token_ids[n:]
+
+    def set_tokens(self, ids) -> None:
+        """Start from these tokens, whose rows are already in place (a prefix-cache hit, a
+        restored session, a copy, a benchmark's synthetic context)."""
+        self._token_ids = [int(t) for t in ids]
+        self._num_tokens = len(self._token_ids)
 
     # ---------------------------------------------------------------- window ring
     def _ring_views(self) -> None:
@@ -128,7 +163,7 @@ class SequenceState:
         n = len(token_ids)
         for spec in self.layout.rows:
             (self.kv if spec.kind == "kv" else self.index)[spec.layer].set_len(n // spec.ratio)
-        self.num_tokens, self.token_ids = n, list(token_ids)
+        self.set_tokens(token_ids)
 
     def copy_windows_from(self, other: "SequenceState") -> None:
         """Clone the per-sequence rows of `other` (window rings, compressor pending rows): what a

@@ -185,6 +185,12 @@ def run(args) -> int:
     bad = _model_error(args.model)
     if bad:
         return fail(bad)
+    if getattr(args, "device", None) not in (None, "auto"):     # an explicit device: checked first
+        from cedlm.util import resolve_device
+        try:
+            resolve_device(args.device, "device")
+        except ValueError as e:
+            return fail(str(e))
     try:
         sock = bind(args.host, args.port)        # before any work: a busy port is one line
     except BindError as e:

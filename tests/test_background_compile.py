@@ -1,0 +1,73 @@
+"""The compiled decode step off the serving path: built in a background thread while the engine
+steps on the same step uncompiled, adopted at a step boundary, the same tokens either way; and one
+captured graph per batch kind (1, >= 2) whatever the context length, so that no prompt recompiles
+mid-request. Both run with dynamo's capture and guards alone (backend "eager": seconds, no code
+generation; inductor compiles the same captures, and the step's pools are padded so that its own
+shape decisions hold at every length: `CompiledDecode.min_entries`)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cedlm.config import ModelConfig
+from cedlm.model import CEDModel
+from cedlm.engine.llm import LLM
+from cedlm.engine.sampling_params import SamplingParams
+from cedlm.model import compiled_step
+
+
+@pytest.fixture
+def eager_backend(monkeypatch):
+    monkeypatch.setattr(compiled_step, "BACKEND", "eager")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_no_recompile_at_any_prompt_length(eager_backend):
+    # the tiny preset with a candidate pool of 12 blocks and 8-token KV blocks: the pool outgrows
+    # one KV block within the first prompts (as the shipped model's 32 x 8 entries outgrow its
+    # 64-token blocks at a few hundred tokens)
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), candidate_topk_blocks=12)
+    torch.manual_seed(0)
+    llm = LLM(CEDModel(cfg), decode_step="compiled", num_threads=1, enable_prefix_cache=False,
+              block_tokens=8)
+    dec = llm.engine.decoder
+    assert dec.compile
+    p = SamplingParams(max_tokens=3, temperature=0)
+    frames = []
+    # prompts from a few entries to well past index_topk and the candidate pool's blocks
+    # (candidate_topk_blocks x candidate_block_size entries), where a width-dependent top-k
+    # would be a new constant
+    longest = 4 * cfg.candidate_topk_blocks * cfg.candidate_block_size * max(cfg.compress_ratios) + 40
+    for n in (3, 9, 17, 40, longest):
+        llm.generate([list(range(5, 5 + n))], p)
+        frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert frames[0] == frames[-1] == 1, frames
+    # batch >= 2: one more graph, then none for other batch sizes or lengths
+    llm.generate([list(range(5, 12)), list(range(7, 7 + longest))], p)
+    llm.generate([list(range(5, 9)), list(range(6, 30)), list(range(9, 9 + longest))], p)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2, dict(torch._dynamo.utils.counters["stats"])
+
+
+def test_background_compile_is_adopted_at_a_step_boundary(eager_backend):
+    p = SamplingParams(max_tokens=6, temperature=0)
+    prompts = [list(range(5, 25)), list(range(9, 13))]
+    ref = LLM("tiny", decode_step="static", num_threads=1, enable_prefix_cache=False)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, p)]
+    llm = LLM("tiny", decode_step="compiled", num_threads=1, enable_prefix_cache=False)
+    eng = llm.engine
+    bg = eng.compile_in_background()
+    assert bg is not None and eng.decoder.active_mode == "static"
+    assert eng.kv_stats()["blocks_in_use"] > 0               # the scratch sequences' blocks
+    assert eng.compile_status()["decode_step"] == "static"
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]    # while it compiles (or not)
+    assert got == want
+    assert bg.wait(600) and not bg.failed, bg.failed
+    assert eng.decoder.active_mode == "static"               # adopted at the next step, not before
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == want
+    assert eng.decoder.active_mode == "compiled" and eng.decoder.calls > 0
+    assert eng.compile_status() == {"decode_step": "compiled", "compiling": None}
+    assert eng.kv_stats()["blocks_in_use"] == 0              # scratch blocks freed on adoption
