@@ -175,8 +175,8 @@ def run(args) -> int:
     (server/startup.py), then the server serves on the uncompiled decode step while the compiled
     graphs are built in the background, switching to them at a step boundary."""
     import logging
+    import os
 
-    from cedlm.server.app import api_key_from_env
     from cedlm.server.startup import BindError, StartingApp, bind
 
     def fail(msg: str) -> int:
@@ -195,7 +195,8 @@ def run(args) -> int:
         sock = bind(args.host, args.port)        # before any work: a busy port is one line
     except BindError as e:
         return fail(str(e))
-    warning = exposure_warning(args.host, api_key_from_env(args.api_key))
+    # (server/app.py's api_key_from_env, without importing the app before the port listens)
+    warning = exposure_warning(args.host, args.api_key or os.environ.get("CEDLM_API_KEY") or None)
     if warning:
         print(warning, file=sys.stderr, flush=True)
         logging.getLogger("cedlm.server").warning(warning)
