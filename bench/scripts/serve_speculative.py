@@ -4,8 +4,9 @@
     .venv/bin/python bench/scripts/serve_speculative.py --streams 8 --rounds 2 --out bench/results/serve_speculative.json
 
 Each round starts the shipped model's server once plain and once with `--speculative`
-(`--speculative-threshold` as given), one after the other on a free loopback port (the order
-alternates per round, so drift on a shared machine falls on both), one warm-up request each, then
+(`--speculative-threshold` and `--speculative-policy` as given), one after the other on a free
+loopback port (the order alternates per round, so drift on a shared machine falls on both), one
+warm-up request each, then
 `--streams` streaming `/v1/completions` at once: distinct openings of held-out corpus documents
 (`data/corpus/val.txt`; `cedlm data prepare`), `--prompt-tokens` tokens each, temperature 0,
 `ignore_eos`, `--max-tokens` new tokens. Measured per server: the wall time from the first request
@@ -61,7 +62,8 @@ def start(port: int, speculative: bool, args) -> subprocess.Popen:
            "--served-model-name", MODEL, "--threads", "1", "--max-num-seqs", str(max(args.streams, 1)),
            "--log-level", "warning"]
     if speculative:
-        cmd += ["--speculative", "--speculative-threshold", str(args.threshold)]
+        cmd += ["--speculative", "--speculative-threshold", str(args.threshold),
+                "--speculative-policy", args.speculative_policy]
     if args.decode_step:
         cmd += ["--decode-step", args.decode_step]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -126,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threshold", type=float, default=0.0)
+    ap.add_argument("--speculative-policy", default="adaptive", choices=("adaptive", "always"),
+                    help="the speculative server's policy (default adaptive, the engine's default)")
     ap.add_argument("--decode-step", default=None, help="the servers' --decode-step (default: theirs)")
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     ap.add_argument("--out", type=Path, default=None)
@@ -146,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     tot = {s: sum(r[s]["tokens"] for r in rounds) / sum(r[s]["wall_s"] for r in rounds)
            for s in ("plain", "speculative")}
     out = {"streams": a.streams, "rounds": rounds, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
-           "threshold": a.threshold, "threads": 1, "speedup": round(tot["speculative"] / tot["plain"], 3),
+           "threshold": a.threshold, "speculative_policy": a.speculative_policy, "threads": 1,
+           "speedup": round(tot["speculative"] / tot["plain"], 3),
            "speedup_by_round": [r["speedup"] for r in rounds], "identical": identical,
            "load_at_start": [round(x, 2) for x in load],
            "command": " ".join([".venv/bin/python", "bench/scripts/serve_speculative.py", *(argv or sys.argv[1:])]),
