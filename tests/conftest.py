@@ -171,3 +171,23 @@ def kernels(request):
     from cedlm.kernels.gate import reference_kernels_forced
     with reference_kernels_forced(request.param == "reference"):
         yield request.param
+
+
+@pytest.fixture(scope="session")
+def bench_quick(tmp_path_factory):
+    """One `cedlm bench --quick` run of every figure (static decode step, no installs, 1 thread),
+    shared by the tests that check its output (tests/test_bench.py, tests/test_bench_device.py):
+    (exit code, output directory, what it printed). It runs under `implicit_device_guard()`
+    (tests/devices.py), where a tensor made without a device lands on `meta` and fails: a run
+    that passes there runs the same on the CPU unguarded, so one run serves both files."""
+    import contextlib
+    import io
+
+    from cedlm.bench import cli
+    from tests.devices import implicit_device_guard
+    out = tmp_path_factory.mktemp("bench") / "quick"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), implicit_device_guard():
+        rc = cli.main(["--quick", "--out", str(out), "--no-install", "--threads", "1",
+                       "--decode-step", "static"])
+    return rc, out, printed.getvalue()

@@ -62,10 +62,12 @@ def check_json(out, name):
     return res
 
 
-def test_cheap_figures_quick(tmp_path):
-    out, md = tmp_path / "results", tmp_path / "BENCHMARKS.md"
-    ctx = Ctx(quick=True, out=out, threads=1, install=False, profile=False, log=lambda s: None)
-    run_figures(["kv_bytes", "capacity", "formats"], ctx, md)
+def test_cheap_figures_quick(bench_quick):
+    """The cheap figures (kv_bytes, capacity, formats) of the suite's one `cedlm bench --quick`
+    run (conftest `bench_quick`): formula == allocation, the documented numbers, BENCHMARKS.md's
+    markers for every figure."""
+    _, out, _ = bench_quick
+    md = out / "BENCHMARKS.md"
     kv = check_json(out, "kv_bytes")
     assert kv["formula_equals_allocation"] is True and kv["target"]["met"] is True
     for r in kv["rows"]:
@@ -145,15 +147,14 @@ def test_synthetic_state_matches_prefilled_shapes():
     assert torch.isfinite(m.decode([5], [syn])).all()
 
 
-def test_quick_smoke(tmp_path, capsys):
+def test_quick_smoke(bench_quick):
     """`cedlm bench --quick` end to end, every figure, through the uncompiled static decode, verify
     and draft steps (the suite's engines' mode: the same step code, no compile). The compiled steps
     run in `test_quick_compiled_step` (decode) and in the slow compiled verify / draft tests:
     compiled here, the dspark figure's cold verify and draft graphs alone took over 20 minutes of
-    this 2-core machine's CI time."""
-    out = tmp_path / "quick"
-    rc = cli.main(["--quick", "--out", str(out), "--no-install", "--threads", "1",
-                   "--decode-step", "static"])
+    this 2-core machine's CI time. The run is the suite's one (conftest `bench_quick`, shared with
+    tests/test_bench_device.py, which checks its devices)."""
+    rc, out, printed = bench_quick
     assert rc == 0
     for name in FIGURES:
         res = check_json(out, name)
@@ -169,7 +170,7 @@ def test_quick_smoke(tmp_path, capsys):
         if name == "step_ops":               # the flag reached the figure
             assert res["config"]["decode_step"] == "static", res["config"]
     assert (out / "BENCHMARKS.md").exists()
-    assert "results:" in capsys.readouterr().out
+    assert "results:" in printed
 
 
 @pytest.mark.compiled

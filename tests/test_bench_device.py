@@ -20,7 +20,7 @@ import torch
 from cedlm.bench import cli
 from cedlm.bench.common import Ctx
 from cedlm.bench.runner import FIGURES, plan, run_figures, skip_reason
-from tests.devices import CUDA, implicit_device_guard
+from tests.devices import CUDA
 from tests.test_bench import check_json
 
 CPU_ONLY = {"formats", "attn_packed", "step_ops"}
@@ -84,7 +84,7 @@ def test_cuda_on_the_cpu_wheel_is_one_error_line():
         cli.main(["--device", "npu", "--only", "kv_bytes"])
 
 
-def test_quick_suite_on_the_cpu_under_the_implicit_device_guard(tmp_path, capsys):
+def test_quick_suite_on_the_cpu_under_the_implicit_device_guard(bench_quick):
     """`cedlm bench --quick` (default --device: auto, the CPU here) with every figure, while a
     tensor created without a device goes to `meta`: the same results as the unguarded smoke test
     (test_bench.test_quick_smoke), the device printed at start and in every JSON.
@@ -92,13 +92,12 @@ def test_quick_suite_on_the_cpu_under_the_implicit_device_guard(tmp_path, capsys
     Not under the guard, by design (each on the host explicitly, then moved to the run's device):
     drawing the models' random weights and the HF Llama's (common._build_ced, peer.llama_for),
     reading the dspark figure's checkpoint (checkpoint.load_model), and the CPU-only figures
-    (formats, attn_packed, step_ops: the runner runs them on the CPU, their device by nature)."""
-    out = tmp_path / "quick"
-    with implicit_device_guard():
-        rc = cli.main(["--quick", "--out", str(out), "--no-install", "--threads", "1",
-                       "--decode-step", "static"])
+    (formats, attn_packed, step_ops: the runner runs them on the CPU, their device by nature).
+
+    The run is the suite's one `cedlm bench --quick` (conftest `bench_quick`: under the guard),
+    whose figures test_bench.test_quick_smoke checks."""
+    rc, out, printed = bench_quick
     assert rc == 0
-    printed = capsys.readouterr().out
     assert printed.splitlines()[0].startswith("cedlm bench: device cpu (")
     for name in FIGURES:
         res = check_json(out, name)
