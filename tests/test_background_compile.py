@@ -26,48 +26,44 @@ def eager_backend(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_no_recompile_at_any_prompt_length(eager_backend):
+def test_background_compile_is_adopted_at_a_step_boundary_and_never_recompiles(eager_backend):
     # the tiny preset with a candidate pool of 12 blocks and 8-token KV blocks: the pool outgrows
     # one KV block within the first prompts (as the shipped model's 32 x 8 entries outgrow its
     # 64-token blocks at a few hundred tokens)
     cfg = dataclasses.replace(ModelConfig.preset("tiny"), candidate_topk_blocks=12)
-    torch.manual_seed(0)
-    llm = LLM(CEDModel(cfg), decode_step="compiled", num_threads=1, enable_prefix_cache=False,
-              block_tokens=8)
-    dec = llm.engine.decoder
-    assert dec.compile
-    p = SamplingParams(max_tokens=3, temperature=0)
-    frames = []
+    opts = dict(num_threads=1, enable_prefix_cache=False, block_tokens=8)
+
+    def model():
+        torch.manual_seed(0)
+        return CEDModel(cfg)
+    p = SamplingParams(max_tokens=6, temperature=0)
+    prompts = [list(range(5, 25)), list(range(9, 13))]
+    want = [o.outputs[0].token_ids for o in LLM(model(), decode_step="static", **opts).generate(prompts, p)]
+
+    llm = LLM(model(), decode_step="compiled", **opts)      # starts compiling in the background
+    eng = llm.engine
+    bg = eng.compile_in_background()                        # the running one
+    assert bg is not None and eng.decoder.active_mode == "static"
+    assert eng.compile_status()["decode_step"] == "static"
+    assert eng.kv_stats()["blocks_in_use"] > 0               # the scratch sequences' blocks
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == want   # while it compiles
+    assert bg.wait(600) and not bg.failed, bg.failed
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == 2                                       # batch 1, batch >= 2
+    assert eng.decoder.active_mode == "static"               # adopted at the next step, not before
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == want
+    assert eng.decoder.active_mode == "compiled"
+    assert eng.compile_status() == {"decode_step": "compiled", "compiling": None}
+    assert eng.kv_stats()["blocks_in_use"] == 0              # scratch blocks freed on adoption
+
     # prompts from a few entries to well past index_topk and the candidate pool's blocks
     # (candidate_topk_blocks x candidate_block_size entries), where a width-dependent top-k
-    # would be a new constant
+    # would be a new constant; then batches of other sizes and lengths: no new graph
+    p = SamplingParams(max_tokens=3, temperature=0)
     longest = 4 * cfg.candidate_topk_blocks * cfg.candidate_block_size * max(cfg.compress_ratios) + 40
     for n in (3, 9, 17, 40, longest):
         llm.generate([list(range(5, 5 + n))], p)
-        frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    assert frames[0] == frames[-1] == 1, frames
-    # batch >= 2: one more graph, then none for other batch sizes or lengths
     llm.generate([list(range(5, 12)), list(range(7, 7 + longest))], p)
     llm.generate([list(range(5, 9)), list(range(6, 30)), list(range(9, 9 + longest))], p)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2, dict(torch._dynamo.utils.counters["stats"])
-
-
-def test_background_compile_is_adopted_at_a_step_boundary(eager_backend):
-    p = SamplingParams(max_tokens=6, temperature=0)
-    prompts = [list(range(5, 25)), list(range(9, 13))]
-    ref = LLM("tiny", decode_step="static", num_threads=1, enable_prefix_cache=False)
-    want = [o.outputs[0].token_ids for o in ref.generate(prompts, p)]
-    llm = LLM("tiny", decode_step="compiled", num_threads=1, enable_prefix_cache=False)
-    eng = llm.engine
-    bg = eng.compile_in_background()
-    assert bg is not None and eng.decoder.active_mode == "static"
-    assert eng.kv_stats()["blocks_in_use"] > 0               # the scratch sequences' blocks
-    assert eng.compile_status()["decode_step"] == "static"
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]    # while it compiles (or not)
-    assert got == want
-    assert bg.wait(600) and not bg.failed, bg.failed
-    assert eng.decoder.active_mode == "static"               # adopted at the next step, not before
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == want
-    assert eng.decoder.active_mode == "compiled" and eng.decoder.calls > 0
-    assert eng.compile_status() == {"decode_step": "compiled", "compiling": None}
-    assert eng.kv_stats()["blocks_in_use"] == 0              # scratch blocks freed on adoption
+    assert eng.decoder.active_mode == "compiled"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, dict(torch._dynamo.utils.counters["stats"])

@@ -134,9 +134,11 @@ class Engine:
         are all built (`warmup.py`). Call it before the engine's first step, from the thread that
         steps it: the scratch sequences are prefilled here, from this engine's block pool, and
         freed when the graphs are adopted. None when nothing compiles (another mode, or the
-        reference path is required)."""
+        reference path is required); the running one when it was started already."""
         dec = self.decoder
-        if not dec.compile or dec.why_not() is not None or self._background is not None:
+        if self._background is not None:
+            return self._background                        # started already
+        if not dec.compile or dec.why_not() is not None:
             return None
         tables = []
 

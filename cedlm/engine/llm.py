@@ -132,6 +132,9 @@ class LLM:
                 store = open_store(store, capacity_bytes=a.store_capacity_bytes, check_connection=False)
         self.engine = Engine(self.model, self.tokenizer, a.engine_config(), store=store,
                              speculative=a.speculative_config())
+        # a compiled decode step's graphs are built in the background: the first generate runs
+        # the same step uncompiled instead of waiting minutes for the compiler
+        self.engine.compile_in_background()
 
     def encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cedlm.config.modes import SPEC_METHODS
 from cedlm.engine.loader import model_device
 from cedlm.engine.sampler import apply_top_k_top_p
 from cedlm.engine.spec_policy import POLICIES, Measurements, PolicyConfig, SpecPolicy
@@ -60,7 +61,7 @@ from cedlm.model.draft_step import DraftStep
 from cedlm.model.rollback import capture, mark, rollback, verify
 from cedlm.model.verify_step import VerifyStep
 
-METHODS = ("dspark",)
+METHODS = SPEC_METHODS
 WARM_ROWS = 2        # context rows right before a block needed for its acceptance to be counted
 
 # decode step (or model) -> {(speculator class, threshold, draft cap): Measurements}: what the
