@@ -1,4 +1,4 @@
-"""The validators' rules written into `/openapi.json` (issue 26 item 9): what JSON schema can say
+"""The validators' rules written into `/openapi.json`: what JSON schema can say
 about a request body is said there, so that a request valid under the published schema is one the
 server accepts (schemathesis' `positive_data_acceptance`, tests/test_schemathesis.py).
 
