@@ -177,8 +177,9 @@ def test_quick_smoke(bench_quick):
 def test_quick_compiled_step(tmp_path):
     """`cedlm bench --quick` through the compiled decode step (the engine default): torch.compile
     of the batch-1 graph both figures time (216-252 s cold on this 2-core machine; cached on disk
-    after; the batch >= 2 graph is compiled in tests/test_compiled_step.py), compiled for real,
-    not fallen back to the static step."""
+    after), compiled for real, not fallen back to the static step: the suite's one compile of a
+    12-layer model of the shipped widths (tests/test_compiled_step.py compares both graphs, batch
+    1 and >= 2, with the reference on 6 layers of every kind at these widths)."""
     out = tmp_path / "quick"
     rc = cli.main(["--quick", "--only", "step_ops,decode", "--out", str(out), "--no-install",
                    "--threads", "1", "--decode-step", "compiled"])

@@ -7,9 +7,11 @@ A comparison never hinges on a near-tie: each step starts both paths from the sa
 copy), counts steps whose decisions differ (allowed: rarely, near-ties under another summation
 order) and compares logits only where they agree. `static` runs the step's code eagerly (the
 suite's engines use it); `compiled` goes through torch.compile (inductor): one graph for batch 1
-and one for batch >= 2 of the shipped model, a few minutes of compile on this machine the first
-time (cached on disk afterwards); `cudagraph` replays the step as CUDA graphs over bucketed
-shapes (on the CPU: the same padded buffers, nothing captured).
+and one for batch >= 2, a few minutes of compile on this machine the first time (cached on disk
+afterwards; the time grows with the number of layers), so the default suite compiles them for a
+6-layer model of the shipped widths with one layer of every kind (`every_kind`) and the shipped
+model's own graphs are an opt-in (`slow`) run; `cudagraph` replays the step as CUDA graphs over
+bucketed shapes (on the CPU: the same padded buffers, nothing captured).
 
 The exactness tests run over `DEVICES` (tests/devices.py): on the CPU always, on CUDA when this
 torch sees a GPU (there `cudagraph` captures and replays real graphs, `static` is the same step
@@ -33,6 +35,30 @@ TOL = 1e-3   # |logit difference| (logits of std ~3): float32 rounding of two su
 @pytest.fixture(scope="module")
 def shipped():
     return load_model("cedlm/assets/model")[0].eval()
+
+
+def every_kind_config():
+    """The shipped model's widths (the `small` preset) in 6 layers, one of each kind the step
+    compiles: SWA, a ratio-2 Full layer with Engram and its ratio-2 Reuse layer, the ratio-1
+    global-KV and candidate source that starts the decoder, a Reindex layer and a ratio-1 Reuse
+    layer. Random weights at initializer_range 0.08 (logits of std ~1, not a near-constant)."""
+    from cedlm.config import ModelConfig
+    from cedlm.config.engram_sizes import engram_table_rows
+    c = ModelConfig.preset("small")
+    engram = [1]
+    return c.replace(num_hidden_layers=6, compress_ratios=[0, 2, 2, 1, 1, 1, 0],
+                     kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3, 4],
+                     candidate_source_layer_id=3, engram_layer_ids=engram,
+                     engram_num_embeddings=engram_table_rows(engram, c.engram_vocab_size,
+                                                             c.engram_max_ngram_size, c.engram_n_heads),
+                     dspark_target_layer_ids=[5], initializer_range=0.08)
+
+
+@pytest.fixture(scope="module")
+def every_kind():
+    from cedlm.model import CEDModel
+    torch.manual_seed(0)
+    return CEDModel(every_kind_config()).eval()
 
 
 _ON: dict[str, torch.nn.Module] = {}
@@ -103,10 +129,11 @@ def assert_same_entries(a, b):
 
 
 @torch.no_grad()
-def _run(model, mode, prompts, steps, check_states=True):
+def _run(model, mode, prompts, steps, check_states=True, step=None):
     """Prefill each prompt, then `steps` decode steps; each compares one step of both paths
-    from one state. Returns (steps compared, steps whose decisions differed)."""
-    step = CompiledDecode(model, mode)
+    from one state (through `step`, default a new CompiledDecode of `mode`). Returns (steps
+    compared, steps whose decisions differed)."""
+    step = step or CompiledDecode(model, mode)
     dev = step.device
     states = [model.new_state() for _ in prompts]
     toks = [int(model.prefill(p.to(dev), st)[-1].argmax()) for p, st in zip(prompts, states)]
@@ -225,9 +252,30 @@ def test_engine_args_decode_step():
 
 @pytest.mark.compiled
 @ON_DEVICES
+def test_compiled_step_matches_reference_every_layer_kind(every_kind, device):
+    """The step through torch.compile (inductor; Triton on CUDA) of the 6-layer model with every
+    layer kind at the shipped widths (`every_kind_config`): batch 1 (the window ring wraps), then
+    batch 3 (the graph for >= 2), one step object: each graph compiled once. The shipped model's
+    12 layers take about twice the compile time of the same graphs (measured cold, batch 1:
+    ~250 s of CPU against ~130 s): test_compiled_step_matches_reference, slow. A 12-layer model
+    of these widths (CED-small, the benchmark's) is compiled for real in the default suite by
+    test_bench.test_quick_compiled_step (batch 1, not fallen back)."""
+    model = every_kind if device == "cpu" else copy.deepcopy(every_kind).to(device)
+    step = CompiledDecode(model, "compiled")
+    compared, differ = _run(model, "compiled", _prompts(1, [61]), 8, step=step)
+    assert differ <= 1
+    compared, differ = _run(model, "compiled", _prompts(3, [5, 40, 130], seed=1), 5, step=step)
+    assert differ <= 1
+
+
+@pytest.mark.slow            # cold: two graphs of 12 layers, about 10 minutes on this 2-core machine
+@pytest.mark.compiled
+@ON_DEVICES
 def test_compiled_step_matches_reference(shipped, device):
-    """The step through torch.compile (inductor; Triton on CUDA): batch 1, then batch 3 (the
-    graph for >= 2)."""
+    """The step through torch.compile (inductor; Triton on CUDA) of the shipped model: batch 1,
+    then batch 3 (the graph for >= 2). The same checks as
+    test_compiled_step_matches_reference_every_layer_kind, which covers them in the default suite
+    on 6 layers of every kind at these widths."""
     model = _shipped_on(device, shipped)
     compared, differ = _run(model, "compiled", _prompts(1, [61]), 8)
     assert differ <= 1
