@@ -67,3 +67,39 @@ def test_background_compile_is_adopted_at_a_step_boundary_and_never_recompiles(e
     llm.generate([list(range(5, 9)), list(range(6, 30)), list(range(9, 9 + longest))], p)
     assert eng.decoder.active_mode == "compiled"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, dict(torch._dynamo.utils.counters["stats"])
+
+
+def test_speculative_shadows_build_their_inputs_as_compiled(monkeypatch, eager_backend):
+    """With DSpark, the verify step's shadow reads its inputs through the decode step's shadow
+    (compiled: dynamic dimensions marked as in the graphs it will serve), and the pending compile
+    is on the shared step object, so that any engine of the model adopts it."""
+    from cedlm.engine.warmup import BackgroundCompile
+    monkeypatch.setattr(BackgroundCompile, "start", lambda self: self)      # nothing runs
+    torch.manual_seed(0)
+    llm = LLM(CEDModel(ModelConfig.preset("tiny"), dspark=True), decode_step="compiled", num_threads=1,
+              speculative="dspark", speculative_policy="always")
+    eng = llm.engine
+    bg, pairs = eng.decoder.pending
+    assert [type(step).__name__ for step, _ in pairs] == ["CompiledDecode", "VerifyStep", "DraftStep"]
+    assert all(not step.compile and shadow.compile for step, shadow in pairs)
+    assert pairs[1][1].decoder is pairs[0][1]
+    assert len(bg.jobs) == 6 and eng.compile_in_background() is bg
+    assert eng.compile_status()["decode_step"] == "static"
+
+
+def test_warm_up_waits_for_the_background_compile_and_adopts_it(monkeypatch):
+    """`Engine.warm_up` (what `cedlm warmup` and a foreground start call) on an engine whose
+    graphs are being built in the background waits for them and switches to them."""
+    from cedlm.engine.warmup import BackgroundCompile
+    ran = []
+    monkeypatch.setattr(BackgroundCompile, "start", lambda self: ran.append(self) or self)  # held
+    llm = LLM("tiny", decode_step="compiled", num_threads=1)
+    eng = llm.engine
+    bg, pairs = eng.decoder.pending
+    assert ran == [bg] and eng.decoder.active_mode == "static" and eng.kv_stats()["blocks_in_use"] > 0
+    bg.jobs = [("decode graph for batch 1", lambda: None)]      # stands in for the compile
+    monkeypatch.undo()
+    bg.start()
+    assert eng.warm_up() == {"decode graph for batch 1": bg.seconds["decode graph for batch 1"]}
+    assert eng.decoder.pending is None and eng.decoder.active_mode == "compiled"
+    assert eng.kv_stats()["blocks_in_use"] == 0

@@ -91,7 +91,7 @@ class Engine:
         self.speculator = (DSparkSpeculator(model, speculative, self.decoder, log=log.info)
                            if speculative is not None else None)
         self._background: BackgroundCompile | None = None     # graphs compiling off the serving path
-        self._background_parts = None
+        self._scratch_tables: list = []            # its scratch sequences' blocks (this engine's pool)
         self.requests: dict[str, Request] = {}
         self.runs: dict[str, SequenceRuntime] = {}   # request id -> the engine's objects for it
         self.peak: dict[str, int] = {}           # peak KV bytes in use, by kind
@@ -108,7 +108,13 @@ class Engine:
     def warm_up(self, batch_sizes: tuple[int, ...] = (1, 2)) -> dict[str, float]:
         """Compile the decode step's graphs before the first request (`CompiledDecode.warm_up`)
         on scratch sequences in this engine's own block pool, whose blocks are freed after;
-        {graph: seconds}. Nothing to do (or no free block) -> {}."""
+        {graph: seconds}. A compile already running in the background (`compile_in_background`)
+        is waited for and adopted instead. Nothing to do (or no free block) -> {}."""
+        pending = getattr(self.decoder, "pending", None)
+        if pending is not None:
+            pending[0].wait()
+            self._adopt_compiled()
+            return {} if pending[0].failed else dict(pending[0].seconds)
         tables = []
 
         def rows():
@@ -130,14 +136,16 @@ class Engine:
 
     def compile_in_background(self, batch_sizes: tuple[int, ...] = (1, 2)) -> BackgroundCompile | None:
         """Build the compiled graphs (`warm_up`'s) in a background thread while the engine steps
-        on the same step uncompiled; the engine adopts them at the first step boundary after they
-        are all built (`warmup.py`). Call it before the engine's first step, from the thread that
-        steps it: the scratch sequences are prefilled here, from this engine's block pool, and
-        freed when the graphs are adopted. None when nothing compiles (another mode, or the
-        reference path is required); the running one when it was started already."""
+        on the same step uncompiled; the first step boundary after they are all built adopts
+        them (`warmup.py`), in this engine or any other sharing the model's step objects. Call it
+        before the engine's first step, from the thread that steps it: the scratch sequences are
+        prefilled here, from this engine's block pool, and freed when this engine adopts. None
+        when nothing compiles (another mode, or the reference path is required); the running
+        one when a compile of these step objects is under way."""
         dec = self.decoder
-        if self._background is not None:
-            return self._background                        # started already
+        pending = getattr(dec, "pending", None)
+        if pending is not None:
+            return pending[0]                              # started already (by any engine)
         if not dec.compile or dec.why_not() is not None:
             return None
         tables = []
@@ -145,56 +153,64 @@ class Engine:
         def rows():
             tables.append(BlockTable(self.pool))
             return self.pool.rows(tables[-1])
-        shadows, jobs = [], []
+        spec = self.speculator
+        with_spec = spec is not None and spec.step is not None and spec.step.compile and spec.step.usable
         try:
-            for B in batch_sizes:
-                states = scratch_states(self.model, B, rows)
-                jobs.append((f"decode graph for batch {graph_name(B, False)}",
-                             lambda st=states, b=B: shadows[0].forward(
-                                 torch.arange(b), st, paged=True)))
-            spec = self.speculator
-            if spec is not None and spec.step is not None and spec.step.compile and spec.step.usable:
-                T = spec.step.T
-                for B in batch_sizes:
-                    states = scratch_states(self.model, B, rows)
-                    ids = torch.arange(B * T).view(B, T) % 7
-                    jobs.append((f"verify graph for batch {graph_name(B, False)}",
-                                 lambda st=states, i=ids: shadows[1](i, st)))
-                for B in batch_sizes:
-                    jobs.append((f"draft graph for batch {graph_name(B, False)}",
-                                 lambda b=B: shadows[2].warm_up((b,))))
+            scratch = {B: scratch_states(self.model, B, rows) for B in batch_sizes}
+            scratch_v = {B: scratch_states(self.model, B, rows) for B in batch_sizes} if with_spec else {}
         except NoFreeBlocks:
             for t in tables:
                 t.free()
             return None
-        shadows.append(defer(dec))
-        if spec is not None and spec.step is not None:
-            shadows += [defer(spec.step), defer(spec.drafter)]
+        pairs = [(dec, defer(dec))]
+        if with_spec:
+            pairs += [(spec.step, defer(spec.step)), (spec.drafter, defer(spec.drafter))]
+            pairs[1][1].decoder = pairs[0][1]     # the verify shadow builds its inputs as compiled
+        shadow = [sh for _, sh in pairs]
+
+        def built(sh, what):
+            if not sh.compile:                    # the shadow gave up and ran uncompiled
+                raise RuntimeError(f"{what}: torch.compile failed (logged above)")
+        jobs = [(f"decode graph for batch {graph_name(B, False)}",
+                 lambda st=st, b=B: (shadow[0].forward(torch.arange(b), st, paged=True),
+                                     built(shadow[0], "decode step")))
+                for B, st in scratch.items()]
+        if with_spec:
+            T = spec.step.T
+            jobs += [(f"verify graph for batch {graph_name(B, False)}",
+                      lambda st=st, b=B: (shadow[1](torch.arange(b * T).view(b, T) % 7, st),
+                                          built(shadow[1], "verify step")))
+                     for B, st in scratch_v.items()]
+            jobs += [(f"draft graph for batch {graph_name(B, False)}",
+                      lambda b=B: (shadow[2].warm_up((b,)), built(shadow[2], "draft step")))
+                     for B in batch_sizes]
         key = f"{self.fingerprint[:12]} threads={torch.get_num_threads()}"
-        self._background = BackgroundCompile(jobs, key=key, log_line=log.info)
-        self._background_parts = (shadows, tables)
-        return self._background.start()
+        bg = BackgroundCompile(jobs, key=key, log_line=log.info)
+        dec.pending = (bg, pairs)                 # on the shared step object: any engine adopts
+        self._background, self._scratch_tables = bg, tables
+        return bg.start()
 
     def _adopt_compiled(self) -> None:
-        """At a step boundary: once the background compile is done, switch to its graphs and
-        free its scratch blocks."""
+        """At a step boundary: once the background compile is done, switch the step objects to
+        its graphs (once, by whichever engine steps first) and free this engine's scratch
+        blocks."""
+        pending = getattr(self.decoder, "pending", None)
+        if pending is not None and pending[0].done:
+            self.decoder.pending = None
+            adopted = [adopt(step, sh) for step, sh in pending[1]]
+            if adopted[0]:
+                log.info("decode step: now running the compiled graphs")
         bg = self._background
-        if bg is None or not bg.done or self._background_parts is None:
-            return
-        shadows, tables = self._background_parts
-        self._background_parts = None
-        steps = [self.decoder]
-        if self.speculator is not None and self.speculator.step is not None:
-            steps += [self.speculator.step, self.speculator.drafter]
-        adopted = [adopt(step, sh) for step, sh in zip(steps, shadows)]
-        for t in tables:
-            t.free()
-        if adopted and adopted[0]:
-            log.info("decode step: now running the compiled graphs")
+        if bg is not None and bg.done and self._scratch_tables:
+            for t in self._scratch_tables:
+                t.free()
+            self._scratch_tables = []
+            bg.jobs = []                           # the scratch states and shadows go with them
 
     def compile_status(self) -> dict:
         """Which decode step runs now and what is compiling (for /health and /v1/models)."""
-        bg = self._background
+        pending = getattr(self.decoder, "pending", None)
+        bg = pending[0] if pending is not None else self._background
         return {"decode_step": self.decoder.active_mode,
                 "compiling": None if bg is None else bg.status()}
 

@@ -63,6 +63,7 @@ class BackgroundCompile:
     def __init__(self, jobs: list[tuple[str, Callable[[], object]]], key: str = "",
                  log_line: Callable[[str], None] | None = None):
         self.jobs = list(jobs)
+        self.total = len(self.jobs)
         self.key = key                 # what the estimates are kept under (model and threads)
         self.say = log_line or log.info
         self.current: str | None = None
@@ -91,17 +92,28 @@ class BackgroundCompile:
     def status(self) -> str | None:
         """What is compiling now, for /health ("decode graph 1/2 (batch 1), 42 s of about 180 s"),
         or None when nothing is."""
-        if self.done or self.current is None:
+        current, index, started = self.current, self.index, self.job_started
+        if self.done or current is None or started is None:
             return None
-        so_far = time.monotonic() - self.job_started
-        est = _load_times().get(self._est_key(self.current))
+        so_far = time.monotonic() - started
+        est = _load_times().get(self._est_key(current))
         about = f" of about {est:.0f} s" if est else ""
-        return f"{self.current} ({self.index + 1}/{len(self.jobs)}), {so_far:.0f} s{about}"
+        return f"{current} ({index + 1}/{self.total}), {so_far:.0f} s{about}"
 
     def _est_key(self, label: str) -> str:
         return f"{self.key} {label}".strip()
 
     def _run(self) -> None:
+        try:
+            self._run_jobs()
+        except Exception as e:                             # never leave `done` unset
+            log.warning("background compile stopped (%s: %s)", type(e).__name__, e)
+            self.failed.append("background compile")
+        finally:
+            self.index, self.current = self.total, None
+            self._done.set()
+
+    def _run_jobs(self) -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)   # this thread only
         except (OSError, AttributeError):
@@ -133,10 +145,8 @@ class BackgroundCompile:
                 times[self._est_key(label)] = round(sec, 1)
                 self.say(f"compiled {label} ({i + 1}/{n}) in {sec:.1f} s")
         _save_times(times)
-        self.index, self.current = n, None
         self.say(f"background compile finished in {time.monotonic() - self.started:.1f} s; the "
                  f"engine switches to the compiled step at its next step")
-        self._done.set()
 
     def _heartbeat(self, label: str, i: int, n: int, stop: threading.Event) -> None:
         while not stop.wait(HEARTBEAT_S):

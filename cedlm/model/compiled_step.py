@@ -214,6 +214,9 @@ class CompiledDecode:
         self._watched = [mod for mod in model.modules() if hasattr(mod, "decisions")]
         self._engrams = [mod for mod in model.modules() if hasattr(mod, "host_table")]
         self.compile_s: dict[str, float] = {}     # graph ("1", ">= 2", ...) -> seconds of its first call
+        # (BackgroundCompile, [(step object, shadow)]) while graphs of this step (and DSpark's
+        # verify and draft steps) are built off the serving path (`Engine.compile_in_background`)
+        self.pending = None
         self.calls = self.fallbacks = 0
         self._said: set[str] = set()
         self.log = log

@@ -228,6 +228,8 @@ def run(args) -> int:
     server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:                   # Ctrl-C: uvicorn shut down cleanly, then re-raised it
+        pass
     finally:
         sock.close()
     if failure:

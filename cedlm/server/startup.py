@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import socket
+import threading
 import time
 from typing import Callable
 
@@ -93,8 +94,27 @@ class StartingApp:
         await send({"type": "lifespan.shutdown.complete"})
 
     async def _load(self):
+        # in a daemon thread of its own (not the loop's executor, which the shutdown would wait
+        # for): Ctrl-C while the model loads stops the server at once
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def settle(fn, value):
+            try:
+                loop.call_soon_threadsafe(lambda: done.done() or fn(value))
+            except RuntimeError:                            # the server stopped meanwhile
+                pass
+
+        def load():
+            try:
+                app = self.build()
+            except BaseException as e:                      # noqa: BLE001 - handed to the loop
+                settle(done.set_exception, e)
+            else:
+                settle(done.set_result, app)
+        threading.Thread(target=load, name="cedlm-load", daemon=True).start()
         try:
-            app = await asyncio.to_thread(self.build)
+            app = await done
             ctx = app.router.lifespan_context(app)
             await ctx.__aenter__()
         except Exception as e:                 # the CLI's own error line, then the server stops
