@@ -59,9 +59,12 @@ def now(request, pins, device):
     paths (the default) and with every reference kernel forced; the bitwise mode runs the
     references only, on the CPU."""
     from cedlm.kernels import reference_kernels_forced
+    from conftest import portability_rerun_repeats
     bitwise = os.environ.get("CEDLM_GOLDEN_BITWISE") == "1"
     if bitwise and (request.param == "fast" or device != "cpu"):
         pytest.skip("CEDLM_GOLDEN_BITWISE=1 compares the reference kernels' bits on the CPU")
+    if portability_rerun_repeats(request.param):
+        pytest.skip(portability_rerun_repeats(request.param))
     with reference_kernels_forced(request.param == "reference"):
         return cases(pins=None if bitwise else pins, device=device)
 
