@@ -37,28 +37,30 @@ def shipped():
     return load_model("cedlm/assets/model")[0].eval()
 
 
-def every_kind_config():
-    """The shipped model's widths (the `small` preset) in 6 layers, one of each kind the step
-    compiles: SWA, a ratio-2 Full layer with Engram and its ratio-2 Reuse layer, the ratio-1
-    global-KV and candidate source that starts the decoder, a Reindex layer and a ratio-1 Reuse
-    layer. Random weights at initializer_range 0.08 (logits of std ~1, not a near-constant)."""
+def every_kind_config(preset: str = "small", **kw):
+    """The widths of `preset` (`small`: the shipped model's) in 6 layers, one of each kind a
+    compiled graph traces: SWA, a ratio-2 Full layer with Engram and its ratio-2 Reuse layer, the
+    ratio-1 global-KV and candidate source that starts the decoder, a Reindex layer and a ratio-1
+    Reuse layer (torch.compile's time grows with the layers and their kinds); `kw` replaced."""
     from cedlm.config import ModelConfig
     from cedlm.config.engram_sizes import engram_table_rows
-    c = ModelConfig.preset("small")
+    c = ModelConfig.preset(preset)
     engram = [1]
     return c.replace(num_hidden_layers=6, compress_ratios=[0, 2, 2, 1, 1, 1, 0],
                      kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3, 4],
                      candidate_source_layer_id=3, engram_layer_ids=engram,
                      engram_num_embeddings=engram_table_rows(engram, c.engram_vocab_size,
                                                              c.engram_max_ngram_size, c.engram_n_heads),
-                     dspark_target_layer_ids=[5], initializer_range=0.08)
+                     dspark_target_layer_ids=[5], **kw)
 
 
 @pytest.fixture(scope="module")
 def every_kind():
+    """`every_kind_config()` with random weights at initializer_range 0.08 (logits of std ~1, not
+    a near-constant)."""
     from cedlm.model import CEDModel
     torch.manual_seed(0)
-    return CEDModel(every_kind_config()).eval()
+    return CEDModel(every_kind_config(initializer_range=0.08)).eval()
 
 
 _ON: dict[str, torch.nn.Module] = {}

@@ -1,6 +1,7 @@
 """The compiled training step (cedlm/train/compile.py): a few optimizer steps compiled and eager
-give the same losses and weights within float rounding; `--compile` parses; an expert no token
-chose keeps no gradient under compile, as in eager."""
+give the same losses and weights within float rounding, and so does the masked loss of the chat
+and joint stages; `--compile` parses; an expert no token chose keeps no gradient under compile, as
+in eager."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ from cedlm.model import CEDModel
 from cedlm.train.compile import ENV_VAR, drop_unrouted, training_loss
 from cedlm.train.optim import clip_and_step, param_groups, update_moe_bias
 from cedlm.train.train import build_parser, resolve_args
+from tests.test_compiled_step import every_kind_config
 
 STEPS = 3
 LR = 1e-3
@@ -28,10 +30,10 @@ WEIGHT_ATOL = 1e-4
 WEIGHT_FAR_FRACTION = 1e-2   # of all elements, at most this many beyond WEIGHT_ATOL (measured 1.1e-3)
 
 
-def _train(compile: bool, tmp_path, monkeypatch, backend: str = "inductor"):
+def _train(compile: bool, tmp_path, monkeypatch, backend: str = "inductor", cfg=None):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch.manual_seed(0)
-    model = CEDModel(ModelConfig.preset("tiny")).train()
+    model = CEDModel(cfg or ModelConfig.preset("tiny")).train()
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=LR, betas=(0.9, 0.95), eps=1e-8)
     loss_fn = training_loss(model, compile, backend)
     g = torch.Generator().manual_seed(1)
@@ -46,11 +48,11 @@ def _train(compile: bool, tmp_path, monkeypatch, backend: str = "inductor"):
         clip_and_step(opt, model.parameters(), 1.0)
         update_moe_bias(model, 1e-3)
         losses.append(loss.item())
-    return losses, model.state_dict(), first_grads
+    return losses, model.state_dict(), first_grads, (model, loss_fn)
 
 
 def _check_same_training(eager, other) -> None:
-    (l_e, w_e, g_e), (l_o, w_o, g_o) = eager, other
+    (l_e, w_e, g_e, _), (l_o, w_o, g_o, _) = eager, other
     assert l_o[0] == pytest.approx(l_e[0], rel=1e-6)
     for name in set(g_e) | set(g_o):
         if name not in g_e or name not in g_o:          # a gradient of zeros where the other has None
@@ -70,10 +72,26 @@ def _check_same_training(eager, other) -> None:
 
 def test_traced_training_matches_eager(tmp_path, monkeypatch):
     """The captured graphs (dynamo + AOTAutograd: graph breaks, the cache's side effects, the
-    backward), run by eager kernels: the quick check of what the compiled step computes."""
+    backward), run by eager kernels: the quick check of what the compiled step computes. Then the
+    masked loss (`loss_fn(x, y, mask)`: the chat and joint stages' mean over the mask's targets)
+    through the same traced function, whose layers' graphs it reuses: equal to the eager one
+    (tests/test_train_joint.py checks the eager one against the chat stage's `masked_loss`).
+    On the tiny preset's widths in 6 layers, one of each kind (`every_kind_config`: the traces
+    grow with the layers; 10 layers took 62 s here, 6 take 39 s)."""
     torch._dynamo.reset()
-    eager = _train(False, tmp_path, monkeypatch)
-    _check_same_training(eager, _train(True, tmp_path, monkeypatch, backend="aot_eager"))
+    cfg = every_kind_config("tiny")
+    eager = _train(False, tmp_path, monkeypatch, cfg=cfg)
+    traced = _train(True, tmp_path, monkeypatch, backend="aot_eager", cfg=cfg)
+    _check_same_training(eager, traced)
+    model, loss_fn = traced[3]
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 33), generator=g)
+    mask = torch.rand(2, 32, generator=g) < 0.6
+    mask[:, 0] = False
+    x, y = ids[:, :-1], ids[:, 1:]
+    want = training_loss(model, False)(x, y, mask)
+    assert torch.allclose(loss_fn(x, y, mask), want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(loss_fn(x, y, torch.ones_like(mask)), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow       # inductor's C++ for every graph: 15 min on a loaded 2-core machine, cold cache
