@@ -22,6 +22,7 @@ from cedlm.model import compiled_step
 def eager_backend(monkeypatch):
     monkeypatch.setattr(compiled_step, "BACKEND", "eager")
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()          # graphs counted from here (other tests compile too)
     yield
     torch._dynamo.reset()
 
