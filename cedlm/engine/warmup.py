@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -29,6 +30,10 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 NICE = 5                    # the compile thread's (and its compiler processes') niceness
+# While the compile thread traces (pure Python, holding the GIL), a serving thread that releases
+# the GIL in each torch op waits up to the interpreter's switch interval (5 ms) to get it back, per
+# op: hundreds of ops per decode step. A shorter interval while compiling bounds that wait.
+SWITCH_INTERVAL_S = 0.0002
 HEARTBEAT_S = 30.0          # a "still compiling" line this often
 
 
@@ -85,6 +90,8 @@ class BackgroundCompile:
         if not self.jobs:
             self._done.set()
             return self
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch, SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="cedlm-compile", daemon=True)
         self._thread.start()
         return self
@@ -111,6 +118,7 @@ class BackgroundCompile:
             self.failed.append("background compile")
         finally:
             self.index, self.current = self.total, None
+            sys.setswitchinterval(self._switch)
             self._done.set()
 
     def _run_jobs(self) -> None:
