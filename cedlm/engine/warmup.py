@@ -33,7 +33,7 @@ NICE = 5                    # the compile thread's (and its compiler processes')
 # While the compile thread traces (pure Python, holding the GIL), a serving thread that releases
 # the GIL in each torch op waits up to the interpreter's switch interval (5 ms) to get it back, per
 # op: hundreds of ops per decode step. A shorter interval while compiling bounds that wait.
-SWITCH_INTERVAL_S = 0.0002
+SWITCH_INTERVAL_S = 0.00002
 HEARTBEAT_S = 30.0          # a "still compiling" line this often
 
 
