@@ -110,16 +110,13 @@ class Engine:
         on scratch sequences in this engine's own block pool, whose blocks are freed after;
         {graph: seconds}. A compile already running in the background (`compile_in_background`)
         is waited for and adopted instead. Nothing to do (or no free block) -> {}."""
-        pending = getattr(self.decoder, "pending", None)
+        pending = self.decoder.pending
         if pending is not None:
             pending[0].wait()
             self._adopt_compiled()
             return {} if pending[0].failed else dict(pending[0].seconds)
-        tables = []
-
-        def rows():
-            tables.append(BlockTable(self.pool))
-            return self.pool.rows(tables[-1])
+        tables: list[BlockTable] = []
+        rows = self._scratch_rows(tables)
         try:
             got = self.decoder.warm_up(batch_sizes, rows)
             if self.speculator is not None and self.speculator.step is not None:
@@ -134,6 +131,14 @@ class Engine:
             for t in tables:
                 t.free()
 
+    def _scratch_rows(self, tables: list):
+        """A rows factory for scratch sequences in this engine's block pool (compiling on them);
+        each new table goes into `tables`, which the caller frees."""
+        def rows():
+            tables.append(BlockTable(self.pool))
+            return self.pool.rows(tables[-1])
+        return rows
+
     def compile_in_background(self, batch_sizes: tuple[int, ...] = (1, 2)) -> BackgroundCompile | None:
         """Build the compiled graphs (`warm_up`'s) in a background thread while the engine steps
         on the same step uncompiled; the first step boundary after they are all built adopts
@@ -143,16 +148,13 @@ class Engine:
         when nothing compiles (another mode, or the reference path is required); the running
         one when a compile of these step objects is under way."""
         dec = self.decoder
-        pending = getattr(dec, "pending", None)
+        pending = dec.pending
         if pending is not None:
             return pending[0]                              # started already (by any engine)
         if not dec.compile or dec.why_not() is not None:
             return None
-        tables = []
-
-        def rows():
-            tables.append(BlockTable(self.pool))
-            return self.pool.rows(tables[-1])
+        tables: list[BlockTable] = []
+        rows = self._scratch_rows(tables)
         spec = self.speculator
         with_spec = spec is not None and spec.step is not None and spec.step.compile and spec.step.usable
         try:
@@ -194,7 +196,7 @@ class Engine:
         """At a step boundary: once the background compile is done, switch the step objects to
         its graphs (once, by whichever engine steps first) and free this engine's scratch
         blocks."""
-        pending = getattr(self.decoder, "pending", None)
+        pending = self.decoder.pending
         if pending is not None and pending[0].done:
             self.decoder.pending = None
             adopted = [adopt(step, sh) for step, sh in pending[1]]
@@ -209,7 +211,7 @@ class Engine:
 
     def compile_status(self) -> dict:
         """Which decode step runs now and what is compiling (for /health and /v1/models)."""
-        pending = getattr(self.decoder, "pending", None)
+        pending = self.decoder.pending
         bg = pending[0] if pending is not None else self._background
         return {"decode_step": self.decoder.active_mode,
                 "compiling": None if bg is None else bg.status()}
@@ -299,8 +301,8 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One scheduling step; one StepOutput per request it touched (admitted, ran, finished).
         Requests that finished are forgotten (the caller holds its own reference)."""
-        if self._background is not None:
-            self._adopt_compiled()
+        if self.decoder.pending is not None or self._scratch_tables:
+            self._adopt_compiled()           # graphs built in the background (by any engine)
         t_step = time.perf_counter()
         out = self.scheduler.schedule()
         self.counters["preemptions"] += len(out.preempted)

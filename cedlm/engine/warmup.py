@@ -5,7 +5,7 @@ built by torch.compile before it runs: minutes on a cold 2-core machine, seconds
 cache. `BackgroundCompile` lets the engine serve meanwhile:
 
     bg = BackgroundCompile(jobs, log)     # jobs: (label, callable that builds one graph)
-    bg.start()                            # a daemon thread at low priority (nice 10)
+    bg.start()                            # a daemon thread at low priority (nice 5)
     ...                                   # the engine steps on the uncompiled step
     if bg.done: ...                       # the engine adopts the graphs at a step boundary
 
