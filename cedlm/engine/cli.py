@@ -90,10 +90,10 @@ def _run(args) -> int:
     from cedlm.util import describe_device
     device = describe_device(llm.device)
     print(f"{PROG}: device {device}", file=sys.stderr, flush=True)
-    # the decode step's graph for one sequence is built (or loaded from the cache) in the
-    # background while this generates on the same step uncompiled; the engine switches to it at
-    # a step boundary once it is ready (a short generation may finish first)
-    bg = llm.engine.compile_in_background((1,))
+    # the compiled graphs are being built (or loaded from the cache) in the background, started
+    # by LLM, while this generates on the same step uncompiled; the engine switches to them at a
+    # step boundary once they are ready (a short generation may finish first)
+    bg = llm.engine.compile_in_background()
     t1 = time.monotonic()
     try:
         if args.chat:
