@@ -3,8 +3,8 @@ load (synchronous profile, synthetic 32-token prompts, 16 output tokens), which 
 `stream_options: {"include_usage": true, "continuous_usage_stats": true}`. Every request must
 succeed and guidellm must have measured time to first token and inter-token latency.
 
-guidellm is installed by .ci/run (`pip install --no-deps -r .ci/guidellm-requirements.txt`, which
-says why not as a pyproject extra); found as `$CEDLM_GUIDELLM`, else `guidellm` beside this
+guidellm comes with requirements.lock (`./setup.sh`; .ci/lock.py says which of its dependencies
+the lock leaves out, and why); found as `$CEDLM_GUIDELLM`, else `guidellm` beside this
 Python, else on PATH. Without it the test skips, or fails when CEDLM_REQUIRE_GUIDELLM=1 (CI).
 About 20 s (model load, 5 s of load, guidellm's start-up).
 """
@@ -28,7 +28,7 @@ def guidellm_exe() -> str:
            or shutil.which("guidellm"))
     if exe is None:
         tool_unavailable("CEDLM_REQUIRE_GUIDELLM",
-                         "guidellm is not installed (pip install --no-deps -r .ci/guidellm-requirements.txt)")
+                         "guidellm is not installed (./setup.sh installs it from requirements.lock)")
     return exe
 
 
