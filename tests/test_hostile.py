@@ -7,6 +7,7 @@ The `tiny` preset is served over loopback (helpers from tests/test_server.py).
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pytest
@@ -781,3 +782,89 @@ def test_a_large_but_bounded_repetition_still_compiles(hostile_app):
     app, base, _ = hostile_app
     r = _post(base, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_regex": "a{1000}"})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "aaaa", r.text
+
+
+# =========================================================================== constraint masks off the engine thread
+
+
+def _stream_timed(base: str, body: dict | None = None) -> tuple[str, float]:
+    """The bystander's streamed text and its longest gap between tokens (seconds, from its first)."""
+    import time
+    parts, last, gap = [], None, 0.0
+    with httpx.stream("POST", f"{base}/v1/completions", json=body or BYSTANDER, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ev = json.loads(line[6:])
+                assert "error" not in ev, ev
+                now = time.monotonic()
+                if last is not None:
+                    gap = max(gap, now - last)
+                last = now
+                parts.extend(c["text"] for c in ev["choices"])
+    return "".join(parts), gap
+
+
+def beside_timed_bystander(app, base, alone, hostile):
+    """beside_bystander, also returning the bystander's longest gap between tokens."""
+    got: dict = {}
+    th = threading.Thread(target=lambda: got.setdefault("r", _stream_timed(base)))
+    th.start()
+    try:
+        result = hostile()
+    finally:
+        th.join(120)
+    text, gap = got.get("r", (None, None))
+    assert text == alone, "the bystander's stream changed"
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    assert engine_idle(app) == (0, 0, 0, 0)
+    return result, gap
+
+
+def _slow_masks(monkeypatch, seconds: float, first_too: bool = False):
+    """Every grammar mask (but the first, unless first_too) takes `seconds` longer to compute."""
+    import time
+
+    from cedlm.server.constrain import GrammarProcessor
+    compute = GrammarProcessor._compute
+
+    def slow(self, span):
+        if span or first_too:
+            time.sleep(seconds)
+        return compute(self, span)
+    monkeypatch.setattr(GrammarProcessor, "_compute", slow)
+
+
+CONSTRAINED = {"model": MODEL, "prompt": "Letters:", "max_tokens": 6, "temperature": 0,
+               "guided_regex": "[a-z]{3,9}( [a-z]{3,9}){0,5}"}
+
+
+def test_a_slow_grammar_mask_holds_back_only_its_own_request(hostile_app, monkeypatch):
+    """Grammar masks are computed off the engine thread: with every mask 0.8 s slow, the
+    constrained request is held back while its mask is late, the bystander keeps streaming (its
+    longest gap far below 0.8 s) and the constrained output is identical to the fast one."""
+    app, base, alone = hostile_app
+    fast = _post(base, "/v1/completions", CONSTRAINED)
+    assert fast.status_code == 200, fast.text
+    _, gap_alone = _stream_timed(base)
+    _slow_masks(monkeypatch, 0.8)
+    if os.environ.get("CEDLM_MASKS_ON_ENGINE_THREAD"):          # the engine waits for every mask
+        from cedlm.engine import engine
+        monkeypatch.setattr(engine, "MASK_WAIT_S", 60.0)
+    r, gap = beside_timed_bystander(app, base, alone, lambda: _post(base, "/v1/completions", CONSTRAINED))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == fast.json()["choices"][0]["text"]
+    print("bystander longest gap", gap, "alone", gap_alone)
+    assert gap < 0.5, (gap, gap_alone)
+
+
+def test_a_grammar_mask_past_its_deadline_is_400_naming_the_constraint(hostile_app, monkeypatch):
+    from cedlm.server import constrain
+    app, base, alone = hostile_app
+    monkeypatch.setattr(constrain, "MASK_DEADLINE_S", 0.5)
+    _slow_masks(monkeypatch, 1.5)
+    r, gap = beside_timed_bystander(app, base, alone, lambda: _post(base, "/v1/completions", CONSTRAINED))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "guided_regex" and err["code"] == "constraint_timeout", err
+    assert "limit of 0.5 s" in err["message"] and gap < 0.3, (gap, err)

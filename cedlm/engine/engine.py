@@ -17,6 +17,14 @@ a `PromptScorer` turns each chunk's rows into the request's `prompt_logprobs` as
 (memory linear in the prompt). Several samples of one prompt (`n`,
 `best_of`; `add_samples`): the first is prefilled, the others then start from a copy of its state
 (`_fork`: full blocks shared, the partial block copied, window rings and the drafter's context cloned).
+
+Logits processors that work off the engine thread (a grammar's token masks, server/constrain.py;
+the protocol is in `SamplingParams.logits_processors`): after each token the engine tells them the
+history they will see next (`prepare`), so that work runs while the model computes the next
+logits; before sampling it waits at most `MASK_WAIT_S` for it. A row whose work has not arrived
+is held back (its logits kept in the runtime, the model not run for it again) and sampled at the
+first step where it has; every other sequence keeps stepping. The processor ends a request
+whose work is past its deadline (`sampler.ConstraintTimeout`, a 400 naming the constraint).
 """
 from __future__ import annotations
 
@@ -50,6 +58,8 @@ from cedlm.model.state import SequenceState
 __all__ = ["Engine", "EngineConfig", "EngineSnapshot", "StepOutput"]
 
 log = logging.getLogger(__name__)
+
+MASK_WAIT_S = 0.05      # the most one step waits for logits processors' work before holding rows back
 
 
 @dataclass(frozen=True)
@@ -455,6 +465,12 @@ class Engine:
         """One token for each running sequence, or a verified draft block for those that may
         speculate when the speculator's policy says it pays this step (engine/spec_policy.py);
         each kind of step is timed for the policy."""
+        held = [r for r in reqs if self.runs[r.request_id].held is not None]
+        if held:                                  # sampled from their kept logits, not run again
+            reqs = [r for r in reqs if self.runs[r.request_id].held is None]
+            self._release_held(held, wait=0.0 if reqs else MASK_WAIT_S)
+            if not reqs:
+                return
         sp = self.speculator
         spec = [r for r in reqs if sp.speculates(r.params)] if sp is not None else []
         if spec and not sp.decide(len(spec), len(reqs) - len(spec),
@@ -522,7 +538,48 @@ class Engine:
                     out.append(e)
             return out
 
-    def _accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
+    def _release_held(self, held: list[Request], wait: float) -> None:
+        """Sample the held rows whose processors' work has arrived (waiting at most `wait`
+        seconds); the others stay held."""
+        logits = torch.stack([self.runs[r.request_id].held for r in held])
+        for r in held:
+            self.runs[r.request_id].held = None
+        self._accept(held, logits, wait)
+
+    def _hold_back(self, reqs: list[Request], logits: torch.Tensor, wait: float):
+        """The rows ready to sample (and their logits): a row whose logits processors' work has
+        not arrived within `wait` seconds (all rows together) keeps its logits in its runtime;
+        one whose processor raised (past its deadline) fails alone."""
+        deadline = time.monotonic() + wait
+        keep = []
+        for i, r in enumerate(reqs):
+            waits = [fn.wait for fn in r.params.logits_processors or () if hasattr(fn, "wait")]
+            try:
+                ready = all(w(r.output_ids, max(0.0, deadline - time.monotonic())) for w in waits)
+            except Exception as e:              # noqa: BLE001 - that request alone
+                log.info("request %s: %s", r.request_id, e)
+                self._fail(r, f"{type(e).__name__}: {e}")
+                continue
+            if ready:
+                keep.append(i)
+            else:
+                self.runs[r.request_id].held = logits[i].detach().clone()
+        if len(keep) == len(reqs):
+            return reqs, logits
+        return [reqs[i] for i in keep], logits[keep]
+
+    def _prepare(self, r: Request) -> None:
+        """Tell r's processors the history of its next sample (they start its work now)."""
+        for fn in r.params.logits_processors or ():
+            prep = getattr(fn, "prepare", None)
+            if prep is not None:
+                prep(r.output_ids)
+
+    def _accept(self, reqs: list[Request], logits: torch.Tensor, wait: float | None = None) -> None:
+        if any(r.params.logits_processors for r in reqs):
+            reqs, logits = self._hold_back(reqs, logits, MASK_WAIT_S if wait is None else wait)
+            if not reqs:
+                return
         samples = self._sample(reqs, logits)
         now = time.monotonic()
         for r, sample in zip(reqs, samples):
@@ -557,6 +614,8 @@ class Engine:
             self._finish(r, st.reason)
             self.counters["requests_finished"] += 1
             return True
+        if r.params.logits_processors:
+            self._prepare(r)
         return False
 
     # ---------------------------------------------------------------- stats

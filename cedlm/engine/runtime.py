@@ -36,6 +36,7 @@ class SequenceRuntime:
     first_token_time: float | None = None
     finish_time: float | None = None
     prompt_logprobs_sent: bool = False          # the scored prompt went out in a StepOutput
+    held: torch.Tensor | None = None            # next-token logits waiting for a processor's work
     # this step's output so far (Engine.step turns them into the StepOutput, then clears them)
     new_ids: list[int] = field(default_factory=list)
     new_logprobs: list[float] = field(default_factory=list)
@@ -47,4 +48,4 @@ class SequenceRuntime:
 
     def reset(self) -> None:
         """The KV went away (preempted / finished): drop everything built on it."""
-        self.state = self.prefill = self.draft = self.scorer = None
+        self.state = self.prefill = self.draft = self.scorer = self.held = None

@@ -40,6 +40,13 @@ class ConstraintConflict(ValueError):
     Its name starts the request's `error` text (`StepOutput.error`)."""
 
 
+class ConstraintTimeout(RuntimeError):
+    """A logits processor's work for the next token (a grammar's token mask) did not arrive within
+    its deadline: the request is failed alone, the server answers 400 naming the constraint. Its
+    message starts with the constraint's parameter (``"guided_regex: ..."``); its name starts the
+    request's `error` text."""
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A generator for one request: seeded with ``seed`` on ``device``; None (global RNG) without a seed.
 

@@ -93,6 +93,14 @@ class SamplingParams:
         token. A callable that raises fails only its own request (finish reason "error"). With
         n > 1 one callable object serves every sample (each call passes that sample's own
         output_ids): keep per-sequence state keyed on output_ids, not on call order.
+        A callable whose work is slow may do it off the engine thread: with a method
+        ``prepare(output_ids)`` the engine tells it, right after each token (and it may start
+        for ``[]`` itself), which history it will be called with next, so it can start that work
+        while the model runs; with ``wait(output_ids, timeout) -> bool`` the engine asks, before
+        sampling, whether the call would block: a row whose work has not arrived within the
+        step's short wait (``engine.MASK_WAIT_S``) is held back, its logits kept, and sampled at
+        a later step when ``wait`` says so, while every other sequence keeps stepping; ``wait``
+        raises (``sampler.ConstraintTimeout``) to end a request whose work is past its deadline.
 
     Order of the logits pipeline (per row): allowed_token_ids, logit_bias, logits_processors,
     repetition / frequency / presence penalty, then temperature, top-k, top-p. Greedy rows take

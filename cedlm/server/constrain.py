@@ -13,6 +13,12 @@ the engine thread; the samples of one request (``n`` / ``best_of``) share them.
   allowed. In thinking mode
   the grammar starts after the first ``</think>`` (``gate``): the reasoning is free text, the
   answer is constrained.
+  Its token masks are computed off the engine thread, in the server's mask threads
+  (``MaskWorkers``; llguidance drops the GIL while it computes one): the engine calls ``prepare``
+  right after each token, so the next mask is computed while the model runs, and ``wait`` before
+  sampling (the engine holds a row back while its mask is late, engine.py). A mask that has not
+  arrived ``MASK_DEADLINE_S`` after its token was sampled ends that request alone with
+  ``ConstraintTimeout`` (a 400 naming the constraint).
 - ``MinTokensProcessor`` (vLLM's ``min_tokens``): EOS and ``stop_token_ids`` are banned until
   ``min_tokens`` tokens have been generated.
 - ``MinPProcessor`` (vLLM's ``min_p``): drops tokens whose probability, at the request's
@@ -28,11 +34,16 @@ from __future__ import annotations
 
 import math
 import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
 import torch
 
+from cedlm.engine.sampler import ConstraintTimeout
 from cedlm.server.grammar_compile import GrammarError, clean_message, llguidance
 from cedlm.server.grammar_limits import GrammarLimit, check_constraint
 from cedlm.server.grammar_pool import GrammarPool
@@ -40,6 +51,33 @@ from cedlm.server.grammar_pool import GrammarPool
 __all__ = ["GrammarError", "Grammars", "GrammarProcessor", "MinTokensProcessor", "MinPProcessor"]
 
 NEG_INF = float("-inf")
+MASK_THREADS = 2             # threads computing grammar masks, per server
+MASK_DEADLINE_S = 5.0        # a mask not there this long after its token was sampled ends the request
+
+
+class MaskWorkers:
+    """The threads that compute grammar masks (and advance matchers) off the engine thread."""
+
+    def __init__(self, threads: int = MASK_THREADS):
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cedlm-mask")
+
+    def submit(self, fn, *args) -> Future:
+        return self.pool.submit(fn, *args)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+_default_workers: MaskWorkers | None = None
+_default_lock = threading.Lock()
+
+
+def default_workers() -> MaskWorkers:
+    global _default_workers
+    with _default_lock:
+        if _default_workers is None:
+            _default_workers = MaskWorkers()
+        return _default_workers
 
 
 class Grammars:
@@ -54,6 +92,7 @@ class Grammars:
         self._lltok = None
         self._pool: GrammarPool | None = None
         self._lock = threading.Lock()
+        self.masks: MaskWorkers | None = None      # the mask threads, started with the first processor
 
     @property
     def available(self) -> bool:
@@ -95,6 +134,9 @@ class Grammars:
             if self._pool is not None:
                 self._pool.close()
                 self._pool = None
+            if self.masks is not None:
+                self.masks.close()
+                self.masks = None
 
     # ------------------------------------------------------------------ processors
     def processor(self, grammar: str, param: str, gate_id: int | None = None) -> "GrammarProcessor":
@@ -102,8 +144,12 @@ class Grammars:
         m = llguidance.LLMatcher(lltok, grammar, log_level=0)
         if m.is_error():
             raise GrammarError(param, f"the grammar could not be compiled: {clean_message(m.get_error())}")
+        with self._lock:
+            if self.masks is None:
+                self.masks = MaskWorkers()
+            workers = self.masks
         return GrammarProcessor(lambda: llguidance.LLMatcher(lltok, grammar, log_level=0), self.vocab_size,
-                                self.tok.eos_id, gate_id)
+                                self.tok.eos_id, gate_id, workers=workers, param=param)
 
 
 class GrammarProcessor:
@@ -113,13 +159,28 @@ class GrammarProcessor:
     their processors), so matcher states are keyed by the constrained tokens they have consumed:
     a call finds the state for its own tokens, or advances the state of their longest known
     prefix, or (a sequence the cache no longer knows, e.g. one the engine recomputed) replays its
-    tokens on a fresh matcher. Samples with identical histories share one state."""
+    tokens on a fresh matcher. Samples with identical histories share one state.
+
+    Masks are computed in the mask threads (`workers`), one job at a time per processor (the
+    matchers are touched only there): `prepare(output_ids)` starts the mask of that history,
+    `wait(output_ids, timeout)` says whether it has arrived (raising `ConstraintTimeout` once it
+    is `deadline` seconds late), `__call__` applies it (waiting for it if need be)."""
 
     MAX_STATES = 64
+    MAX_MASKS = 16
 
-    def __init__(self, factory, vocab_size: int, eos_id: int, gate_id: int | None = None):
+    def __init__(self, factory, vocab_size: int, eos_id: int, gate_id: int | None = None, *,
+                 workers: MaskWorkers | None = None, param: str = "response_format",
+                 deadline: float | None = None):
         self.factory, self.V, self.eos, self.gate = factory, int(vocab_size), int(eos_id), gate_id
+        self.param = param
+        self.deadline = MASK_DEADLINE_S if deadline is None else float(deadline)
+        self.workers = workers or default_workers()
         self.states: dict[tuple, Any] = {(): factory()}
+        self._job = threading.Lock()             # the matchers: one job at a time
+        self._lock = threading.Lock()            # the masks table
+        self.masks: OrderedDict[tuple, tuple[Future, float]] = OrderedDict()
+        self.prepare([])                         # the first token's mask, while the prompt runs
 
     def _span(self, output_ids: list[int]) -> tuple | None:
         if self.gate is None:
@@ -157,11 +218,45 @@ class GrammarProcessor:
             allowed[self.eos] = True
         return allowed
 
+    # ------------------------------------------------------------------ masks off the engine thread
+    def _compute(self, span: tuple) -> torch.Tensor:
+        with self._job:
+            return self._allowed(self._matcher(span))
+
+    def _mask(self, span: tuple) -> tuple[Future, float]:
+        """The mask job of span (started now if it is not known) and when it was asked for."""
+        with self._lock:
+            got = self.masks.get(span)
+            if got is None or got[0].cancelled():
+                got = self.masks[span] = (self.workers.submit(self._compute, span), time.monotonic())
+                while len(self.masks) > self.MAX_MASKS:
+                    self.masks.popitem(last=False)
+            return got
+
+    def prepare(self, output_ids: list[int]) -> None:
+        span = self._span(list(output_ids))
+        if span is not None:
+            self._mask(span)
+
+    def wait(self, output_ids: list[int], timeout: float) -> bool:
+        span = self._span(list(output_ids))
+        if span is None:
+            return True
+        fut, since = self._mask(span)
+        try:
+            fut.result(timeout=max(0.0, timeout))
+            return True
+        except FutureTimeout:
+            if time.monotonic() - since > self.deadline:
+                raise ConstraintTimeout(f"{self.param}: the constraint's token mask took longer than the limit "
+                                        f"of {self.deadline:g} s; simplify the constraint") from None
+            return False
+
     def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         span = self._span(list(output_ids))
         if span is None:                       # still reasoning (thinking mode)
             return logits
-        allowed = self._allowed(self._matcher(span))
+        allowed = self._mask(span)[0].result()
         V = logits.shape[-1]
         if V != self.V:
             full = torch.zeros(V, dtype=torch.bool, device="cpu")

@@ -45,7 +45,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
 from cedlm.engine.request import Status
-from cedlm.engine.sampler import ConstraintConflict
+from cedlm.engine.sampler import ConstraintConflict, ConstraintTimeout
 from cedlm.engine.scheduler import RequestRejected
 from cedlm.server.events import Admitted, Delta, Failed, Finished
 from cedlm.server.submission import Submission, Track, refused, sample_ids
@@ -421,6 +421,14 @@ class EngineWorker:
             self._send(t, Failed(400, "the request's constraints leave no token to generate: "
                                       + o.error.split(": ", 1)[1], param="allowed_token_ids",
                                  code="constraint_conflict"))
+            return
+        if o.failed and (o.error or "").startswith(ConstraintTimeout.__name__ + ":"):
+            # its constraint's token mask did not arrive in time (constrain.py): a 400 naming it
+            msg = o.error.split(": ", 1)[1]
+            log.info("request %s: %s", rid, o.error)
+            del self._tracked[rid]
+            self._finished(o)
+            self._send(t, Failed(400, msg, param=msg.split(":", 1)[0], code="constraint_timeout"))
             return
         if o.failed:                              # the engine failed this request's batch: it alone gets the error
             log.error("request %s failed in the engine: %s", rid, o.error or "(no detail)")
