@@ -868,3 +868,92 @@ def test_a_grammar_mask_past_its_deadline_is_400_naming_the_constraint(hostile_a
     err = r.json()["error"]
     assert err["param"] == "guided_regex" and err["code"] == "constraint_timeout", err
     assert "limit of 0.5 s" in err["message"] and gap < 0.3, (gap, err)
+
+
+# =========================================================================== fair compilation
+
+
+def _slow_compiles(monkeypatch, app, seconds: float, prefix: str = ""):
+    """Compiling a regex that starts with `prefix` takes `seconds` longer (a slow schema)."""
+    import time
+    pool = app.state.server.grammars.pool()
+    compile_ = pool.compile
+
+    def slow(param, kind, value):
+        if isinstance(value, str) and value.startswith(prefix):
+            time.sleep(seconds)
+        return compile_(param, kind, value)
+    monkeypatch.setattr(pool, "compile", slow)
+
+
+def test_a_repeated_schema_is_compiled_once(hostile_app):
+    app, base, _ = hostile_app
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "title": "compiled once"}
+    q = app.state.server.grammars.queue()
+    before = (q.counters["compiled"], q.counters["cache_hits"])
+    for _ in range(3):
+        r = _post(base, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_json": schema})
+        assert r.status_code == 200, r.text
+    assert (q.counters["compiled"], q.counters["cache_hits"]) == (before[0] + 1, before[1] + 2)
+
+
+def test_a_client_flooding_the_compilers_gets_429_and_another_client_is_compiled_next(hostile_app, monkeypatch):
+    """20 slow schemas at once from one client: its share (4) queues, the rest are 429 with
+    retry-after at once; a constraint from another client (another loopback address) is compiled
+    as soon as a compiler frees up; /health and /v1/models answer at once throughout; the
+    bystander streams on."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    app, base, alone = hostile_app
+    _slow_compiles(monkeypatch, app, 2.0, "flood")
+    other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=60)
+
+    def flood():
+        with ThreadPoolExecutor(20) as ex:
+            futs = [ex.submit(_post, base, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                               "guided_regex": f"flood{i}[a-z]+"})
+                    for i in range(20)]
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            theirs = other.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                                "guided_regex": "another[0-9]"})
+            waited = time.monotonic() - t0
+            worst = 0.0
+            for path in ("/health", "/v1/models") * 3:
+                t1 = time.monotonic()
+                assert httpx.get(f"{base}{path}", timeout=10).status_code == 200
+                worst = max(worst, time.monotonic() - t1)
+            return [f.result() for f in futs], theirs, waited, worst
+    (rs, theirs, waited, worst), gap = beside_timed_bystander(app, base, alone, flood)
+    codes = sorted(r.status_code for r in rs)
+    assert codes.count(200) == 4 and codes.count(429) == 16, codes
+    busy = next(r for r in rs if r.status_code == 429)
+    assert int(busy.headers["retry-after"]) >= 1 and busy.json()["error"]["code"] == "rate_limit_exceeded"
+    assert theirs.status_code == 200 and waited < 3.0, (theirs.text, waited)
+    print("another client's constraint answered in", waited, "health/models worst", worst, "gap", gap)
+    assert worst < 0.5 and gap < 1.0, (worst, gap)
+    other.close()
+
+
+def test_an_abandoned_request_takes_its_compilation_out_of_the_queue(hostile_app, monkeypatch):
+    import time
+    app, base, _ = hostile_app
+    _slow_compiles(monkeypatch, app, 1.5)
+    q = app.state.server.grammars.queue()
+    cancelled, compiled = q.counters["cancelled"], q.counters["compiled"]
+    busy = [threading.Thread(target=_post, args=(base, "/v1/completions", {
+        "model": MODEL, "prompt": "x", "max_tokens": 2, "guided_regex": f"busy{i}"})) for i in range(2)]
+    for th in busy:
+        th.start()
+    time.sleep(0.3)                                    # both compilers busy: the next one queues
+    with pytest.raises(httpx.TimeoutException):
+        _post(base, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                        "guided_regex": "abandoned"}, timeout=0.5)
+    for th in busy:
+        th.join(30)
+    deadline = time.monotonic() + 5
+    while q.counters["cancelled"] == cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert q.counters["cancelled"] == cancelled + 1 and q.counters["compiled"] == compiled + 2
+    assert q.pending == 0 and engine_idle(app) == (0, 0, 0, 0)

@@ -37,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from cedlm.server import chat, completions, responses
 from cedlm.server.aliases import AliasTable
 from cedlm.server.auth import APIKeyMiddleware
+from cedlm.server.lanes import ClientContext
 from cedlm.server.body_guard import BodyGuard
 from cedlm.server.chat import EFFORT_HEADER, ReasoningSplitter, encode_messages
 from cedlm.server.errors import APIError, BodyTooLarge, fix_openapi, install_error_handlers, unauthorized
@@ -214,9 +215,10 @@ class _BodyLimit:
 
 
 def _bearer_auth(api_key: str | None):
-    """A dependency requiring `Authorization: Bearer <api_key>` (a no-op without a key)."""
+    """A dependency requiring `Authorization: Bearer <api_key>` (a no-op without a key). Async: a
+    plain function would run in the shared thread pool, where a burst of other work delays it."""
 
-    def auth(request: Request) -> None:
+    async def auth(request: Request) -> None:
         if not api_key:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -291,6 +293,7 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
                                    default_max_tokens=default_max_tokens or None)
     app.state.worker, app.state.engine, app.state.aliases, app.state.metrics = worker, engine, table, metrics
     app.state.server.images = image_options(getattr(engine, "model", None), allow_remote_images)   # server/images.py
+    app.add_middleware(ClientContext)                 # the client and its disconnect, for queued work (lanes.py)
     app.add_middleware(BodyGuard)                     # body deadline, JSON nesting depth (body_guard.py)
     if max_body_bytes is not None:
         app.add_middleware(_BodyLimit, max_bytes=int(max_body_bytes))

@@ -26,8 +26,9 @@ the engine thread; the samples of one request (``n`` / ``best_of``) share them.
 
 ``Grammars`` (one per server) owns the llguidance tokenizer, built from the served HF
 ``tokenizers`` tokenizer on first use, and compiles request grammars (JSON schema, regex, Lark,
-choice): bounds first (``grammar_limits``), then in a compiler process (``grammar_pool``,
-``grammar_compile``), reporting an invalid one as a ``GrammarError`` that the handler turns into
+choice): through a fair, bounded, cancellable queue with a cache (``compile_queue``), bounds
+first (``grammar_limits``), then in a compiler process (``grammar_pool``, ``grammar_compile``),
+reporting an invalid one as a ``GrammarError`` that the handler turns into
 a 400. JSON output is compact (no free whitespace): a weak model cannot pad it forever.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 
 from cedlm.engine.sampler import ConstraintTimeout
+from cedlm.server.compile_queue import CompileQueue
 from cedlm.server.grammar_compile import GrammarError, clean_message, llguidance
 from cedlm.server.grammar_limits import GrammarLimit, check_constraint
 from cedlm.server.grammar_pool import GrammarPool
@@ -93,6 +95,7 @@ class Grammars:
         self._pool: GrammarPool | None = None
         self._lock = threading.Lock()
         self.masks: MaskWorkers | None = None      # the mask threads, started with the first processor
+        self._queue: CompileQueue | None = None
 
     @property
     def available(self) -> bool:
@@ -114,16 +117,33 @@ class Grammars:
                 self._pool = GrammarPool(self.tok.hf.to_str(), self.tok.vocab_size, self.tok.eos_id)
             return self._pool
 
-    def compile(self, param: str, kind: str, value: Any) -> str:
-        """A validated grammar string for the constraint (kind: json_schema, json_object, regex,
-        choice, grammar); GrammarError (400) when it is invalid, over a bound, crashes the
-        compiler or runs past its time budget. Blocking: call it off the event loop."""
+    def queue(self) -> CompileQueue:
+        workers = self.pool().workers
+        with self._lock:
+            if self._queue is None:
+                self._queue = CompileQueue(lambda p, k, v: self.pool().compile(p, k, v), workers=workers)
+            return self._queue
+
+    async def compile_async(self, param: str, kind: str, value: Any, client: str = "", gone=None) -> str:
+        """`compile` through the queue (cache, bounds, fairness, cancellation: compile_queue.py);
+        CompileBusy (429) when it is full, ClientGone when `gone()` returns first."""
+        self.check(param, kind, value)              # milliseconds: refused before it queues
+        return await self.queue().compile(param, kind, value, client, gone)
+
+    @staticmethod
+    def check(param: str, kind: str, value: Any) -> None:
         if llguidance is None:
             raise GrammarError(param, "structured output needs the 'llguidance' package (pip install llguidance)")
         try:
             check_constraint(param, kind, value)
         except GrammarLimit as e:
             raise GrammarError(e.param, str(e).split(": ", 1)[-1]) from None
+
+    def compile(self, param: str, kind: str, value: Any) -> str:
+        """A validated grammar string for the constraint (kind: json_schema, json_object, regex,
+        choice, grammar); GrammarError (400) when it is invalid, over a bound, crashes the
+        compiler or runs past its time budget. Blocking: call it off the event loop."""
+        self.check(param, kind, value)
         return self.pool().compile(param, kind, value)
 
     def regex(self, pattern: str, param: str) -> str:
@@ -137,6 +157,9 @@ class Grammars:
             if self.masks is not None:
                 self.masks.close()
                 self.masks = None
+            if self._queue is not None:
+                self._queue.close()
+                self._queue = None
 
     # ------------------------------------------------------------------ processors
     def processor(self, grammar: str, param: str, gate_id: int | None = None) -> "GrammarProcessor":

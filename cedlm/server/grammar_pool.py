@@ -37,6 +37,12 @@ DEFAULT_MEMORY_BYTES = 4 << 30         # address space of one compiler process
 STARTUP_TIMEOUT = 60.0
 
 
+def _transient(e: GrammarError) -> GrammarError:
+    """A failure of this attempt (a time-out, a crash), not a verdict on the constraint: never cached."""
+    e.transient = True
+    return e
+
+
 class _Compiler:
     """One compiler process (started lazily, restarted after a crash or a timeout)."""
 
@@ -107,7 +113,7 @@ class GrammarPool:
     def __init__(self, tokenizer_json: str, n_vocab: int, eos_id: int, workers: int = DEFAULT_WORKERS,
                  timeout: float = DEFAULT_TIMEOUT, memory_bytes: int = DEFAULT_MEMORY_BYTES):
         hello = json.dumps({"tokenizer": tokenizer_json, "n_vocab": int(n_vocab), "eos": int(eos_id)})
-        self.timeout = float(timeout)
+        self.timeout, self.workers = float(timeout), int(workers)
         self.idle: queue.Queue[_Compiler] = queue.Queue()
         self.all = [_Compiler(hello, memory_bytes) for _ in range(workers)]
         for c in self.all:
@@ -127,7 +133,14 @@ class GrammarPool:
         c = self.idle.get()
         try:
             t0 = time.monotonic()
-            answer = c.compile(request, self.timeout)
+            try:
+                answer = c.compile(request, self.timeout)
+            except (RuntimeError, OSError, ValueError):     # it died starting, or its pipe broke
+                c.kill()
+                self.counters["crashed"] += 1
+                log.warning("a grammar compiler process failed to start; it is started again on the next use")
+                raise _transient(GrammarError(param, "the constraint could not be compiled now (the compiler "
+                                                     "did not start); retry")) from None
             took = time.monotonic() - t0
         finally:
             self.idle.put(c)
@@ -136,12 +149,12 @@ class GrammarPool:
                 self.counters["timed_out"] += 1
                 log.warning("grammar compilation of %s ran past %.0f s; compiler process replaced", param,
                             self.timeout)
-                raise GrammarError(param, f"compiling the constraint took longer than the limit of "
-                                          f"{self.timeout:g} s")
+                raise _transient(GrammarError(param, f"compiling the constraint took longer than the limit of "
+                                                     f"{self.timeout:g} s"))
             self.counters["crashed"] += 1
             log.warning("the grammar compiler process died compiling %s; replaced", param)
-            raise GrammarError(param, "the constraint could not be compiled (the compiler failed on it; "
-                                      "simplify it, e.g. less nesting)")
+            raise _transient(GrammarError(param, "the constraint could not be compiled (the compiler failed on "
+                                                 "it; simplify it, e.g. less nesting)"))
         if "error" in answer:
             self.counters["rejected"] += 1
             raise GrammarError(answer.get("param") or param, answer["error"].split(": ", 1)[-1])

@@ -28,7 +28,9 @@ from typing import Any, Callable, TypeVar
 from starlette.concurrency import run_in_threadpool
 
 from cedlm.engine.sampling_params import SamplingParams
+from cedlm.server import lanes
 from cedlm.server.aliases import DEPRECATION_HEADER, AliasTable, ModelNotFound, Resolved
+from cedlm.server.compile_queue import ClientGone, CompileBusy
 from cedlm.server.constrain import GrammarError, Grammars, MinPProcessor, MinTokensProcessor
 from cedlm.server.errors import APIError, model_not_found
 from cedlm.server.metrics import Metrics
@@ -127,18 +129,27 @@ class ServerState:
                            code="context_length_exceeded")
 
     async def grammar(self, guided: tuple[str, str, Any] | None) -> str | None:
-        """Compile a request's output constraint (param, kind, value) off the event loop, bounds
-        first, in a compiler process (`constrain.Grammars.compile`); a bad one is a 400 naming param."""
+        """Compile a request's output constraint (param, kind, value) off the event loop, through
+        the compile queue (a cache, a bound per client and in all: 429 with retry-after when full;
+        dropped when the client leaves; its own threads, not the shared pool), bounds first, in a
+        compiler process (`constrain.Grammars`); a bad one is a 400 naming param."""
         if guided is None:
             return None
         param, kind, value = guided
         if self.grammars is None or not self.grammars.available:
             raise APIError(400, f"{param}: structured output needs a tokenizer and the llguidance package",
                            param=param)
+        ctx = lanes.current()
         try:
-            return await run_in_threadpool(self.grammars.compile, param, kind, value)
+            return await self.grammars.compile_async(param, kind, value, ctx.client, ctx.gone)
         except GrammarError as e:
             raise APIError(400, str(e), param=e.param) from None
+        except CompileBusy as e:
+            raise APIError(429, str(e), param=param, type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"retry-after": str(e.retry_after)}) from None
+        except ClientGone:
+            raise APIError(400, f"{param}: the client went away while its constraint waited to compile",
+                           param=param, code="client_disconnected") from None
 
     def max_tokens_for(self, max_tokens: int | None, n_prompt: int) -> int:
         left = max(1, min(self.max_model_len, self.pool_tokens) - n_prompt)
