@@ -186,3 +186,47 @@ def test_text_model_refuses_images():
         with pytest.raises(openai.BadRequestError, match="no vision tower"):
             client(base).chat.completions.create(model="cedlm-tiny", max_tokens=1, messages=image_msg(
                 data_url(_png(Image.new("RGB", (20, 20))))))
+
+
+def test_image_bombs_are_refused_from_their_headers_and_image_work_has_its_own_lane(vision_server):
+    """16 images of 6,300 x 6,300 pixels (each under the per-image limit) are refused from their
+    headers, before one is decoded (the request's pixel budget, a 400 naming it); image work
+    (decoding, preprocessing, the vision tower) runs in the image thread, not on the engine
+    thread, and the tower's output there equals the engine's."""
+    import threading
+    import time
+
+    from cedlm.engine.images import expand, span_embeds
+    from cedlm.server import images as server_images
+    from cedlm.text import images as text_images
+    base, llm, app = vision_server
+    opts = app.state.server.images
+    bomb = data_url(_bomb_png(6300, 6300))
+    decoded = []
+    real_decode = server_images.decode_image
+    threads = set()
+
+    def spy(raw, limits):
+        decoded.append(len(raw))
+        threads.add(threading.current_thread().name)
+        return real_decode(raw, limits)
+    server_images.decode_image = spy
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(openai.BadRequestError, match="max_request_pixels") as e:
+            client(base).chat.completions.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": bomb}}] * 16}])
+        took = time.monotonic() - t0
+        assert "64000000 pixels in all" in str(e.value) and not decoded and took < 5, (str(e.value), took)
+        im, _ = _digit(3)
+        r = client(base).chat.completions.create(model=MODEL, messages=image_msg(data_url(_png(im))),
+                                                 max_tokens=1)
+        assert r.choices and decoded and threads == {"cedlm-image_0"}, threads
+    finally:
+        server_images.decode_image = real_decode
+    prepared = text_images.preprocess(im.convert("RGB"), opts.vision)
+    on_server = opts.lane().submit(opts.encode, prepared).result()
+    _, reqs = expand(llm.model, [llm.model.image_token_id], [prepared])
+    assert reqs[0].embeds is None                      # no embeddings came with it: the engine runs the tower
+    [(_, in_engine)] = span_embeds(llm.model, reqs)
+    assert torch.equal(on_server, in_engine)

@@ -3,7 +3,8 @@
 A prompt carries one image placeholder (`image_token_id`) per image; `expand` turns each into its
 span (`cedlm.text.images.expand_image_tokens`) and returns one `RequestImage` per image: where
 its span starts, how long it is, the prepared patches and a content digest. The tower runs once
-per request (`span_embeds`, at its first prefill; a preempted request keeps them), and the
+per request (`span_embeds`, at its first prefill, unless the server ran it before submitting:
+`PreparedImage.embeds`; a preempted request keeps them), and the
 sequence state gets `[(start, embeddings)]` for prefill and replay to splice in. The prefix cache
 mixes `(start, length, digest)` of every span that touches a block into that block's hash
 (`cedlm.cache.prefix.block_hashes`), so the same token ids with different images never share
@@ -40,7 +41,7 @@ def expand(model, prompt_ids: list[int], images) -> tuple[list[int], list[Reques
     """(expanded ids, RequestImages) of a prompt with one placeholder per image."""
     prepared = prepare_images(model, images)
     ids, spans = expand_image_tokens(list(prompt_ids), prepared, model.image_token_id)
-    return ids, [RequestImage(im, s, n) for im, (s, n) in zip(prepared, spans)]
+    return ids, [RequestImage(im, s, n, im.embeds) for im, (s, n) in zip(prepared, spans)]
 
 
 @torch.no_grad()

@@ -43,7 +43,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from cedlm.server.errors import APIError
-from cedlm.server.images import chat_images, expanded_len
+from cedlm.server.images import chat_images, expanded_len, run_image_work
 from cedlm.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChoiceLogprobs, CompletionTokensDetails, DeltaMessage, PromptTokensDetails,
@@ -168,7 +168,7 @@ async def chat(body: ChatCompletionRequest, raw: Request):
                             "token ids", param="messages")
     thinking, effort = body.resolve_thinking()
     ids = await srv.tokenize(lambda: encode_messages(srv, body, thinking, effort))
-    images = await srv.tokenize(lambda: chat_images(getattr(srv, "images", None),
+    images = await run_image_work(getattr(srv, "images", None), lambda: chat_images(getattr(srv, "images", None),
                                                     [m.model_dump(exclude_none=True) for m in body.messages]))
     prompt_ids = ids
     if images:              # the placeholders become spans: the prompt length the engine will see

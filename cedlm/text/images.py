@@ -46,6 +46,7 @@ class ImageLimits:
     max_bytes: int = 20 * 1024 * 1024         # encoded size
     max_pixels: int = 40_000_000              # width * height from the header (bomb guard)
     max_images: int = 16                      # per request
+    max_request_pixels: int = 64_000_000      # all of a request's images, from their headers
 
 
 # ---------------------------------------------------------------- token geometry (reference formulas)
@@ -122,8 +123,25 @@ def decode_data_url(url: str, limits: ImageLimits = ImageLimits()) -> bytes:
     return unquote_to_bytes(payload)
 
 
+def image_size(data: bytes, limits: ImageLimits = ImageLimits()) -> tuple[int, int]:
+    """(width, height) from the header alone (no pixel is decoded), with `decode_image`'s checks
+    of bytes, format and pixels; ImageError naming the limit or the problem."""
+    im = _open(data, limits)
+    return im.size
+
+
 def decode_image(data: bytes, limits: ImageLimits = ImageLimits()):
     """PNG/JPEG bytes -> an RGB PIL image, or ImageError naming the limit or the problem."""
+    im = _open(data, limits)
+    try:
+        im.load()
+        return im.convert("RGB")
+    except Exception as e:                          # noqa: BLE001 - truncated / corrupt pixel data
+        raise ImageError(f"image: the {im.format} data is truncated or corrupt ({type(e).__name__})") from None
+
+
+def _open(data: bytes, limits: ImageLimits):
+    """The PIL image, opened lazily (header read, pixels not decoded), its size checked."""
     from PIL import Image
     if len(data) > limits.max_bytes:
         raise ImageError(f"image: {len(data)} bytes exceed the limit of {limits.max_bytes} bytes")
@@ -146,11 +164,7 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits()):
     if w * h > limits.max_pixels:
         raise ImageError(f"image: {w}x{h} = {w * h} pixels exceed the limit of {limits.max_pixels} "
                          f"pixels (max_image_pixels)")
-    try:
-        im.load()
-        return im.convert("RGB")
-    except Exception as e:                          # noqa: BLE001 - truncated / corrupt pixel data
-        raise ImageError(f"image: the {im.format} data is truncated or corrupt ({type(e).__name__})") from None
+    return im
 
 
 # ---------------------------------------------------------------- preprocessing
@@ -161,6 +175,7 @@ class PreparedImage:
     vit_grid: tuple[int, int]
     llm_grid: tuple[int, int]
     digest: bytes                                   # content hash (prefix-cache keys)
+    embeds: torch.Tensor | None = None              # the tower's output, when run before the engine
 
     @property
     def num_tokens(self) -> int:
