@@ -22,7 +22,8 @@ import torch
 
 from cedlm.cache.block_pool import BlockPool, BlockTable
 from cedlm.checkpoint import load_model
-from cedlm.model import step as step_
+from cedlm.model.model import decode_step, prepare_static
+from cedlm.model.static_kv import StepShapes
 from cedlm.model.compiled_step import CompiledDecode, default_mode
 from cedlm.model.step_graph import StepGraphs, bucket
 from tests.devices import fake_cuda, implicit_device_guard
@@ -112,13 +113,12 @@ def test_decode_step_on_fake_cuda(shipped):
     host = CompiledDecode(shipped, "static")
     args = host.inputs(torch.tensor(toks), states)
     with _fake_model() as (fake, dev):
-        step_.stack_experts(fake)
-        step_.fuse_projections(fake)
-        shapes = step_.StepShapes(fake)
+        prepare_static(fake)
+        shapes = StepShapes(fake)
         fargs = torch.utils._pytree.tree_map(
             lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=dev)
             if isinstance(x, torch.Tensor) else x, args)
-        logits, out = step_.decode_step(shapes, *fargs)
+        logits, out = decode_step(shapes, *fargs)
         leaves = [t for t in torch.utils._pytree.tree_leaves((logits, out)) if isinstance(t, torch.Tensor)]
     assert logits.shape == (3, shipped.cfg.vocab_size)
     assert leaves and all(t.device == dev for t in leaves)
@@ -134,7 +134,7 @@ def test_compiled_decode_call_on_fake_cuda(graphs):
         step = CompiledDecode(fake, "static")
         assert step.device == dev
         if graphs:
-            step.graphs = StepGraphs(step_.decode_step, capture=False)
+            step.graphs = StepGraphs(decode_step, capture=False)
         pool = BlockPool(fake.kv_layout, 8, 64, device=step.device)
         for states in ([fake.new_state()], [fake.new_state(pool.rows(BlockTable(pool))) for _ in range(2)]):
             logits = step(list(range(3, 3 + len(states))), states)
@@ -155,7 +155,7 @@ def test_graph_buffers_match_the_unpadded_step(shipped, paged):
     written back equal."""
     states, toks = _states(shipped, [5, 40, 520, 70], paged, seed=3)
     step = CompiledDecode(shipped, "static")
-    graphs = StepGraphs(step_.decode_step, capture=False)
+    graphs = StepGraphs(decode_step, capture=False)
     widened = False
     for B in (3, 4, 1, 2, 3):
         sts = states[:B]
@@ -198,7 +198,7 @@ def test_graphs_are_bounded_least_recently_used_out(shipped):
     (here: rebuilt) and gives the same step."""
     states, toks = _states(shipped, [5, 40, 70], paged=True, seed=4)
     step = CompiledDecode(shipped, "static")
-    graphs = StepGraphs(step_.decode_step, capture=False, max_graphs=2)
+    graphs = StepGraphs(decode_step, capture=False, max_graphs=2)
     keys, first = [], {}
     for B in (1, 2, 3, 1):
         sts, ids = states[:B], torch.tensor(toks[:B])
@@ -264,7 +264,7 @@ def test_step_is_capturable(shipped, paged, monkeypatch):
         with monkeypatch.context() as m, profile(activities=[ProfilerActivity.CPU]) as prof:
             m.setattr(torch, "tensor", from_host(torch.tensor))
             m.setattr(torch, "as_tensor", from_host(torch.as_tensor))
-            step_.decode_step(shapes, *args)
+            decode_step(shapes, *args)
     finally:
         set_fast_backend(prev)
     names = {e.name for e in prof.events()}

@@ -1,4 +1,4 @@
-"""The static DSpark draft step (cedlm/model/draft_step.py) against the reference
+"""The static DSpark draft step (cedlm/model/dspark.py's draft_step, wrapped by dspark_steps.DraftStep) against the reference
 `dspark.draft_block`: from the same draft states, the same experts and, with them equal, the same
 hidden rows and base logits within float rounding.
 
@@ -16,7 +16,7 @@ from cedlm.config import ModelConfig
 from cedlm.model import CEDModel, dspark
 from cedlm.model.compiled_step import CompiledDecode
 from cedlm.model.decisions import Decisions
-from cedlm.model.draft_step import DraftStep
+from cedlm.model.dspark_steps import DraftStep
 
 TOL = 1e-3            # relative to the largest value compared (float32 sums in another order)
 

@@ -1,4 +1,4 @@
-"""The static DSpark verify step (cedlm/model/verify_step.py) against the reference
+"""The static DSpark verify step (cedlm/model/dspark_steps.py) against the reference
 `rollback.verify` + `rollback.rollback`: from identical states, the same discrete decisions
 (indexer top-k as sets per row, MoE experts) and, where they agree, logits and DSpark taps within
 float rounding; after `commit` of any kept prefix, the state equals the one the reference leaves
@@ -26,7 +26,7 @@ from cedlm.model import CEDModel
 from cedlm.model.compiled_step import CompiledDecode
 from cedlm.model.decisions import Decisions
 from cedlm.model.rollback import mark, rollback, verify
-from cedlm.model.verify_step import VerifyStep
+from cedlm.model.dspark_steps import VerifyStep
 from cedlm.kernels import codecs
 from tests.test_compiled_step import TOL, _state_bytes, assert_same_entries
 

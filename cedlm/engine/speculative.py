@@ -57,9 +57,8 @@ from cedlm.engine.loader import model_device
 from cedlm.engine.sampler import apply_top_k_top_p
 from cedlm.engine.spec_policy import POLICIES, Measurements, PolicyConfig, SpecPolicy
 from cedlm.model import dspark
-from cedlm.model.draft_step import DraftStep
+from cedlm.model.dspark_steps import DraftStep, VerifyStep
 from cedlm.model.rollback import capture, mark, rollback, verify
-from cedlm.model.verify_step import VerifyStep
 
 METHODS = SPEC_METHODS
 WARM_ROWS = 2        # context rows right before a block needed for its acceptance to be counted
@@ -306,7 +305,7 @@ class DSparkSpeculator:
         """One block per sequence: (draft tokens [B, N], draft logits [B, N, V], confidence
         [B, N]); greedy rows take the argmax, sampled rows draw from their draft distribution."""
         states = [u.draft for u in runs]
-        if self.drafter is not None and self.drafter.usable:      # the static step (draft_step.py)
+        if self.drafter is not None and self.drafter.usable:      # the static step (dspark_steps.py)
             h, base = self.drafter(states, anchors, P)
         else:
             h, base = dspark.draft_block(self.model, states, anchors, P)

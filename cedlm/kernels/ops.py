@@ -1,5 +1,5 @@
 """The compiled kernels as torch custom ops (``torch.ops.cedlm.*``), for code that torch.compile
-traces: the compiled decode step (``cedlm/model/step.py``) calls these, and inductor keeps each as
+traces: the compiled decode step (``cedlm/model/model.py``'s ``decode_step``) calls these, and inductor keeps each as
 one opaque call instead of breaking its graph at a pybind function.
 
 Each op runs the compiled kernel when the gate allows it (``gate.ext_op``: built, not forced to

@@ -18,12 +18,16 @@ from cedlm.config import ModelConfig
 from cedlm.model.compressor import Compressor
 from cedlm.model.forward_batch import ForwardBatch
 from cedlm.model.indexer import Indexer
+from cedlm.model.linear import fuse, project
 from cedlm.model.kv_cache import KVCache
 from cedlm.model.norm import RMSNorm, rms
 from cedlm.model.rope import Rope
+from cedlm.model import static_kv
 from cedlm.kernels import attention as kernels_attention
 from cedlm.kernels.attention import PackedKeys, attend_reference, unpacked
 from cedlm.kernels import store_round
+
+cedlm_ops = torch.ops.cedlm
 
 
 def attend(q, win_k, win_valid, comp_k, comp_valid, sink, scale, dense: bool, return_probs: bool = False):
@@ -77,10 +81,21 @@ class Attention(nn.Module):
                          cfg.rope_scaling if cfg.uses_yarn(layer_id) else None,
                          cfg.rope_precision)
 
-    # ---------------------------------------------------------------- KV production
+    # ---------------------------------------------------------------- queries and KV production
+    def queries(self, qb: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The heads' queries from wq_b's product qb [B, T, H * hd] at positions pos [B, T]:
+        [B, T, H, hd] (optional per-head norm, RoPE)."""
+        q = qb.unflatten(-1, (self.H, self.hd))
+        if self.cfg.q_head_norm:
+            q = rms(q, self.cfg.rms_norm_eps)
+        return self.rope.apply(q, pos.unsqueeze(-1))
+
+    def window_latent(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """A window row from wkv's product kv [B, T, hd]: normalised, RoPE at pos."""
+        return self.rope.apply(self.kv_norm(kv), pos)
+
     def window_rows(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        kv = self.rope.apply(self.kv_norm(self.wkv(x)), pos)
-        return store_round(kv, self.cfg.window_kv_format, self.training)
+        return store_round(self.window_latent(self.wkv(x), pos), self.cfg.window_kv_format, self.training)
 
     def compress(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> None:
         idx = self.indexer if hasattr(self, "indexer") and self.indexer.has_keys else None
@@ -115,10 +130,7 @@ class Attention(nn.Module):
         cfg, pos = self.cfg, batch.positions
         B, T, _ = x.shape
         qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).unflatten(-1, (self.H, self.hd))                    # [B, T, H, hd]
-        if cfg.q_head_norm:
-            q = rms(q, cfg.rms_norm_eps)
-        q = self.rope.apply(q, pos.unsqueeze(-1))
+        q = self.queries(self.wq_b(qr), pos)                                     # [B, T, H, hd]
         if self.is_global_source:                   # window rows were written in the encoder pass
             win_k, win_pos = cache.global_window(self.layer_id)
         else:
@@ -163,3 +175,72 @@ class Attention(nn.Module):
         wa = self.wo_a.weight.view(self.G, -1, o.shape[-1])                     # [G, r, H/G*hd]
         o = torch.einsum("btgi,gri->btgr", o, wa).flatten(2)                    # [B, T, G*r]
         return self.wo_b(o)
+
+    # ---------------------------------------------------------------- the static step
+    def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every product of x and of qr = q_norm(x wq_a): {"wq_a", "wkv", the compressor's
+        "c_wkv", "c_wgate", the indexer's "ix_w", "wq_b", "ix_q"}, one matrix product for each
+        input (`fuse`)."""
+        P = project(self.fused_x, x)
+        P.update(project(self.fused_qr, self.q_norm(P["wq_a"])))
+        return P
+
+    def step(self, shapes, x: torch.Tensor, p1: torch.Tensor, io: dict) -> torch.Tensor:
+        """This layer's attention in the static step (`model.decode_step`): x [B, T, D] at positions
+        p1 [B, T] -> [B, T, D]. io: the layer's caches as static tensors ("ring", "ring_pos",
+        "table"; a KV source's "count", "pending", "idx_pool"; a reader's "kv_pool" and its
+        source's "comp"; the selection's inputs; "window_valid" to replace the window's causal
+        mask), and what it produces: "window" (the rows' ring bytes), a source's "comp",
+        "entries", "pending", "idx_rows", a selecting layer's "topk" (`model.decode_step`)."""
+        B, T = p1.shape
+        P = self.project(x)
+        q = self.queries(P["wq_b"], p1)
+        row = static_kv.encode_rows(self.window_latent(P["wkv"], p1), shapes.window_fmt)   # [B, T, wb]
+        io["window"] = row
+        keys, win_idx, win_valid = static_kv.window(io["ring"], io["ring_pos"], row, p1,
+                                                   self.cfg.sliding_window)
+        win_valid = io.get("window_valid", win_valid)      # the draft step's (non-causal) mask
+        if self.role == "full":
+            io["comp"] = self.compressor.step(shapes, P, p1, io, getattr(self, "indexer", None))
+        kv_fmt = shapes.kv_fmt.get(self.src, shapes.window_fmt)
+        comp_rows = keys.new_zeros(1, shapes.row_width.get(self.src, keys.shape[-1]))
+        comp_idx = torch.zeros(B, T, 0, dtype=torch.int64, device=x.device)
+        comp_valid = torch.zeros(B, T, 0, dtype=torch.bool, device=x.device)
+        if self.ratio > 0:
+            n_vis, n, main, emit = io["comp"]          # n_vis [B, T]; main [B, G, w], emit [B, G]
+            if self.sparse:
+                if self.role in ("full", "reindex"):
+                    io["topk"] = self.indexer.step_select(shapes, P, p1, n_vis, io)
+                idx, valid = io["topk"]                                            # [B, T, k]
+            else:                                   # every visible entry, gathered once for the rows
+                N = io["table"].shape[1] * io["kv_pool"].shape[1]
+                idx = torch.arange(N, device=x.device).expand(B, 1, N)
+                valid = idx < n_vis.view(B, T, 1)
+            rows = static_kv.selected_rows(io["kv_pool"], io["table"], idx, n, main)   # [B, k, w]
+            k = rows.shape[1]
+            comp_rows, comp_valid = rows.reshape(B * k, -1), valid.expand(B, T, -1)
+            comp_idx = torch.arange(B * k, device=x.device).view(B, -1, idx.shape[-1]).expand(B, T, -1)
+        # one kernel: the FP8 window rows and the selected FP4 entries decoded inside its loop
+        o = cedlm_ops.attend_packed(q.float(), keys, win_idx, win_valid, shapes.window_fmt,
+                                    comp_rows, comp_idx, comp_valid, kv_fmt, self.attn_sink.float(),
+                                    self.hd ** -0.5)
+        return self.output(o, p1, x.dtype)
+
+    def fuse(self) -> None:
+        """The weights that multiply the same input concatenated into one matrix, the modules'
+        parameters made views of it (same storage, nothing copied twice): of x (wq_a, wkv, the
+        compressor's wkv and wgate, the indexer's weights_proj), of qr (wq_b, the indexer's
+        wq_b). One matrix product instead of up to five (`project`)."""
+        if getattr(self, "fused_x", None) is not None:
+            return
+        xs = [("wq_a", self.wq_a), ("wkv", self.wkv)]
+        if self.role == "full":
+            xs.append(("c_wkv", self.compressor.wkv))
+            if self.compressor.wgate is not None:
+                xs.append(("c_wgate", self.compressor.wgate))
+        qrs = [("wq_b", self.wq_b)]
+        if hasattr(self, "indexer"):
+            xs.append(("ix_w", self.indexer.weights_proj))
+            qrs.append(("ix_q", self.indexer.wq_b))
+        self.fused_x, self.fused_qr = fuse(xs), fuse(qrs)
+

@@ -1,4 +1,4 @@
-"""The compiled decode step: `step.decode_step` captured by torch.compile, fed from and written
+"""The compiled decode step: `model.decode_step` captured by torch.compile, fed from and written
 back to the sequences' states. `CEDModel.decode` stays the reference (and the fallback).
 
     step = CompiledDecode(model)              # compiles on first use (cached on disk by inductor)
@@ -36,7 +36,9 @@ import weakref
 import torch
 
 from cedlm.config.modes import DECODE_STEPS
-from cedlm.model import step as step_
+from cedlm.model.block import Block
+from cedlm.model.model import decode_step, engram_rows, prepare_static
+from cedlm.model.static_kv import StepShapes
 from cedlm.model.state import ByteRows, SequenceState
 from cedlm.model.step_graph import StepGraphs
 
@@ -44,6 +46,10 @@ ENV_VAR = "CEDLM_DECODE_STEP"
 # (cedlm/__init__.py points TORCHINDUCTOR_CACHE_DIR at ~/.cache/cedlm/inductor: a second start
 # of the same model loads the compiled graphs instead of compiling them)
 MODES = DECODE_STEPS
+# The decode step compiled by region: one compiled `Block.step` per layer kind (`Block.kind`),
+# reused by every layer of that kind and called from `decode_step` run uncompiled, rather than
+# the whole step as one graph (CEDLM_COMPILE_REGIONS=1/0 overrides; see `Regions`).
+REGIONS = os.environ.get("CEDLM_COMPILE_REGIONS", "0") == "1"
 # torch.compile's backend for the compiled steps. Another one ("eager": dynamo's capture and
 # guards without code generation) lets a test count graphs and recompilations in seconds.
 BACKEND = "inductor"
@@ -76,11 +82,11 @@ def own_copy(fn):
 
 
 def compile_step(device, fn=None, one_row_products: bool = False):
-    """`fn` (default `step.decode_step`; a copy of its own, `own_copy`) through torch.compile for
+    """`fn` (default `model.decode_step`; a copy of its own, `own_copy`) through torch.compile for
     a model on `device`: the decode step's graphs (`one_row_products`), the verify step's
     (`verify_step.py`) or the draft step's (`draft_step.py`)."""
     if BACKEND != "inductor":
-        return torch.compile(own_copy(fn or step_.decode_step), backend=BACKEND, fullgraph=True,
+        return torch.compile(own_copy(fn or decode_step), backend=BACKEND, fullgraph=True,
                              options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
     options = {}
     if one_row_products and torch.device(device).type == "cpu":
@@ -92,7 +98,7 @@ def compile_step(device, fn=None, one_row_products: bool = False):
         # read). Graphs of several rows (batch >= 2, the verify and draft steps) keep MKL.
         options["post_grad_fusion_options"] = {
             "decompose_mm_pass": {"cpu_max_other_dimension_decomposition": 1 << 20}}
-    return torch.compile(own_copy(fn or step_.decode_step), fullgraph=True, options={
+    return torch.compile(own_copy(fn or decode_step), fullgraph=True, options={
         **options,
         # The guards on the model's modules and parameters (hundreds of checks, measured
         # at 2.8 ms of a 9 ms step) are dropped: this object compiles its own copy of the
@@ -106,6 +112,55 @@ def compile_step(device, fn=None, one_row_products: bool = False):
         # (the shipped model at 512 tokens, batch 1: 7.3 -> 6.0 ms per token; its first
         # compile takes longer, about 3 min cold, then loads from the cache).
         "cpp_wrapper": torch.device(device).type == "cpu"})
+
+
+class Regions:
+    """`decode_step` with each layer's `Block.step` compiled once per layer kind: cold compile
+    time grows with the number of distinct kinds, not with depth. Called as the whole compiled
+    step is (`fn(shapes, *args)`); the loop over the layers runs in Python between the regions.
+    Each region's inputs are marked dynamic where the whole graph's are (the batch, the block
+    table and pool sizes), so one graph per kind serves every context length and every batch
+    size >= 2."""
+
+    def __init__(self, model, device):
+        kinds: dict[tuple, object] = {}
+        self.blocks = {}
+        for l, layer in enumerate(model.layers):
+            k = layer.kind()
+            if k not in kinds:
+                kinds[k] = compile_step(device, Block.step, one_row_products=True)
+            self.blocks[l] = _Region(kinds[k])
+        self.kinds = len(kinds)
+
+    def __call__(self, shapes, *args):
+        return decode_step(shapes, *args, blocks=self.blocks)
+
+
+class _Region:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, layer, shapes, x, pre, p1, io, engram, image):
+        mark = torch._dynamo.maybe_mark_dynamic
+        for k in ("kv_pool", "idx_pool"):
+            if k in io:
+                mark(io[k], 0)
+                mark(io[k], 1)
+        mark(io["table"], 1)
+        if "idx_rows" in io:
+            mark(io["idx_rows"][0], 1)
+        if x.shape[0] > 1:                   # one graph for every batch size >= 2
+            for t in (x, pre, p1, engram, image, *_tensors(io)):
+                if t is not None and t.dim() and t.shape[0] == x.shape[0]:
+                    mark(t, 0)
+        return self.fn(layer, shapes, x, pre, p1, io, engram, image)
+
+
+def _tensors(io: dict):
+    for k, v in io.items():
+        if k in ("kv_pool", "idx_pool"):
+            continue
+        yield from (v if isinstance(v, tuple) else (v,))
 
 
 def graph_name(batch: int, flat: bool) -> str:
@@ -196,19 +251,19 @@ class CompiledDecode:
         self.compile = self.mode == "compiled"
         self.graphs = None
         if self.mode == "cudagraph":
-            self.graphs = StepGraphs(step_.decode_step, capture=self.device.type == "cuda")
+            self.graphs = StepGraphs(decode_step, capture=self.device.type == "cuda")
             if self.device.type != "cuda":
                 logging.getLogger(__name__).warning(
                     "decode_step cudagraph: the model is on %s, not CUDA; the step runs through "
                     "the graphs' bucketed buffers without capturing a graph", self.device)
-        self.shapes = step_.StepShapes(model)
-        self._shapes: dict[bool, step_.StepShapes] = {}
+        self.shapes = StepShapes(model)
+        self._shapes: dict[bool, StepShapes] = {}
         if self.mode != "eager":
-            step_.stack_experts(model)
-            step_.fuse_projections(model)
-        self.fn = self.uncompiled = step_.decode_step
+            prepare_static(model)
+        self.fn = self.uncompiled = decode_step
         if self.compile:
-            self.fn = compile_step(self.device, one_row_products=True)
+            self.fn = (Regions(model, self.device) if REGIONS else
+                       compile_step(self.device, one_row_products=True))
         # the modules whose state can take a call off the step (decisions), and the Engram
         # modules (an offloaded table: its rows are looked up on the host, before the step)
         self._watched = [mod for mod in model.modules() if hasattr(mod, "decisions")]
@@ -288,7 +343,7 @@ class CompiledDecode:
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, states: list[SequenceState], paged: bool | None = None):
-        """(logits [B, vocab], out) of the step for these states (see `step.decode_step`), nothing
+        """(logits [B, vocab], out) of the step for these states (see `model.decode_step`), nothing
         written back: the static step compiled, replayed as a CUDA graph or called, by mode. A
         compiler or a capture that fails logs one warning and the static step runs uncompiled from
         then on (nothing was written yet)."""
@@ -326,7 +381,7 @@ class CompiledDecode:
         logging.getLogger(__name__).warning(
             "decode step: %s failed (%s: %s); running the step uncompiled "
             "(--decode-step static)", what, type(e).__name__, why)
-        self.compile, self.mode, self.fn, self.graphs = False, "static", step_.decode_step, None
+        self.compile, self.mode, self.fn, self.graphs = False, "static", decode_step, None
 
     @torch.no_grad()
     def warm_up(self, batch_sizes: tuple[int, ...] = (1, 2), rows=None) -> dict[str, float]:
@@ -343,7 +398,7 @@ class CompiledDecode:
             self(list(range(B)), scratch_states(self.model, B, rows), paged=True)
         return dict(self.compile_s)
 
-    def shape_for(self, states: list[SequenceState], paged: bool | None = None) -> step_.StepShapes:
+    def shape_for(self, states: list[SequenceState], paged: bool | None = None) -> StepShapes:
         """The step's static description for this call: `flat` when one sequence's rows are
         contiguous buffers (read in place; the engine's paged rows go through the table)."""
         flat = not paged and self._one_contiguous(states)
@@ -359,7 +414,7 @@ class CompiledDecode:
         return len(states) == 1 and isinstance(states[0].kv[self.shapes.sources[0]], ByteRows)
 
     def inputs(self, ids: torch.Tensor, states: list[SequenceState]):
-        """The step's tensors (see `step.decode_step`), on the model's device."""
+        """The step's tensors (see `model.decode_step`), on the model's device."""
         return self._inputs(ids, states)[0]
 
     def _inputs(self, ids: torch.Tensor, states: list[SequenceState]):
@@ -406,7 +461,7 @@ class CompiledDecode:
         counts = {s: c.to(dev, non_blocking=True) for s, c in counts.items()}
         engram = None                        # an offloaded table: its rows gathered on the host now
         if any(e.host_table is not None for e in self._engrams):
-            engram = step_.engram_rows(self.model, ids, hist)
+            engram = engram_rows(self.model, ids, hist)
         if self.compile and B > 1:           # one graph for every batch size >= 2
             mark_dynamic((ids, 0), (pos, 0), (hist, 0), (rings, 1), (ring_pos, 1), (table, 0),
                          *((c, 0) for c in counts.values()), *((x, 0) for p in pending.values() for x in p),

@@ -17,6 +17,7 @@ from cedlm.model.forward_batch import ForwardBatch
 from cedlm.model.kv_cache import KVCache
 from cedlm.model.norm import RMSNorm
 from cedlm.model.rope import Rope
+from cedlm.model import static_kv
 from cedlm.kernels import store_round
 
 
@@ -76,3 +77,56 @@ class Compressor(nn.Module):
 
     def pending_of(self, cache: KVCache, b: int):
         return cache.pending(self.layer_id, b) if self.ratio > 1 else None
+
+    # ---------------------------------------------------------------- the static step
+    def step(self, shapes, P: dict, p1: torch.Tensor, io: dict, indexer=None):
+        """The entries completed by the call's rows p1 [B, T] (`Attention.step`; P: the layer's
+        products "c_wkv", "c_wgate"), with static shapes: the pending rows arrive padded
+        (io["pending"]: [B, r-1, hd] each, rows < pos % r valid) and the group this call may
+        complete is pooled under a mask. Returns (n visible [B, T] (row t sees entries
+        < n_vis[:, t]), n stored [B], the new entries' main-KV bytes [B, G, w], emit [B, G]): G the
+        groups the rows may complete, entry n + g made when emit[:, g]. Puts in io: "entries"
+        (main, index-key bytes or None, emit), "pending" (the old rows followed by the rows'
+        projections, [B, r - 1 + T, hd]; for T = 1 the first r - 1, the token put at its phase)
+        and, with index keys (`indexer`), "idx_rows" (the stored keys' bytes, the new keys, n)."""
+        r = self.ratio
+        B, T = p1.shape
+        dev = p1.device
+        pos = p1[:, 0]
+        kv, gate = P["c_wkv"].float(), P["c_wgate"].float() if r > 1 else None       # [B, T, hd]
+        if r == 1:                                  # every row makes an entry
+            lat, start = self.norm(kv), p1
+            emit = torch.ones(B, T, dtype=torch.bool, device=dev)
+            made = torch.arange(1, T + 1, device=dev).expand(B, T)       # entries made by row t
+        else:
+            pk, pg = io["pending"]                                                   # [B, r-1, hd]
+            phase = (pos % r).view(B, 1)
+            if T == 1:
+                slot = (torch.arange(r - 1, device=dev) == phase).unsqueeze(-1)      # where it waits
+                kvs, gates = torch.cat((pk, kv), 1), torch.cat((pg, gate), 1)
+                io["pending"] = (torch.where(slot, kv, pk), torch.where(slot, gate, pg))
+            else:   # slot i: pending row i below the phase, else the row i - phase of the call
+                L = -(-(r - 1 + T) // r) * r
+                i = torch.arange(L, device=dev).view(1, L)
+                at = (i - phase).clamp(0, T - 1).unsqueeze(-1).expand(B, L, kv.shape[-1])
+                old = (i < phase).unsqueeze(-1)
+                pad = kv.new_zeros(B, L - (r - 1), kv.shape[-1])
+                kvs = torch.where(old, torch.cat((pk, pad), 1), kv.gather(1, at))
+                gates = torch.where(old, torch.cat((pg, pad), 1), gate.gather(1, at))
+                io["pending"] = (kvs, gates)
+            lat = self.pool(kvs, gates)                                              # [B, G, hd]
+            G = lat.shape[1]
+            start = (pos - phase[:, 0]).view(B, 1) + r * torch.arange(G, device=dev)
+            emit = (torch.arange(1, G + 1, device=dev) * r).view(1, G) <= phase + T
+            made = (phase + torch.arange(1, T + 1, device=dev)) // r
+        main = static_kv.encode_rows(self.rope.apply(lat, start), shapes.kv_fmt[self.layer_id])  # [B, G, w]
+        idx_bytes = None
+        n = io["count"]
+        if indexer is not None and indexer.has_keys:
+            fmt = shapes.idx_fmt[self.layer_id]
+            key = static_kv.stored(indexer.rope.apply(indexer.keys(lat), start), fmt)     # [B, G, d]
+            idx_bytes = static_kv.encode_rows(key, fmt)
+            pool = io["idx_pool"]
+            io["idx_rows"] = (pool if shapes.flat else static_kv.all_rows(pool, io["table"]), key, n)
+        io["entries"] = (main, idx_bytes, emit)
+        return n.view(B, 1) + made, n, main, emit

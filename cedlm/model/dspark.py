@@ -39,9 +39,10 @@ from torch import nn
 
 from cedlm.config import ConfigError, ModelConfig
 from cedlm.model.attention import Attention, attend
+from cedlm.model.block import Block
 from cedlm.model.mhc import add_hc_params, collapse, expand, first_pre, sublayer_mixes
 from cedlm.model.moe import MoE
-from cedlm.model.norm import RMSNorm, rms
+from cedlm.model.norm import RMSNorm
 from cedlm.kernels import decode, encode
 
 
@@ -110,6 +111,9 @@ class DSparkStage(nn.Module):
     def mixes(self, x: torch.Tensor, sub: str):
         return sublayer_mixes(self, x, sub, self.cfg)
 
+    # the static draft step (`draft_step`): a stage is a block without Engram
+    step = Block.step
+
 
 def build_mtp(cfg: ModelConfig) -> nn.ModuleList:
     """The draft stages, initialised like the main stack (normal(initializer_range) for every
@@ -140,11 +144,7 @@ def draft_attention(attn: Attention, x: torch.Tensor, pos: torch.Tensor, ctx_k: 
                     valid: torch.Tensor) -> torch.Tensor:
     """Attention of the block rows x [B, T, D] at pos [B, T] over [context keys ctx_k [B, C, hd]
     || the block's own window rows]; valid [B, T, C + T] says which keys each row sees."""
-    cfg = attn.cfg
-    q = attn.wq_b(attn.q_norm(attn.wq_a(x))).unflatten(-1, (attn.H, attn.hd))
-    if cfg.q_head_norm:
-        q = rms(q, cfg.rms_norm_eps)
-    q = attn.rope.apply(q, pos.unsqueeze(-1))
+    q = attn.queries(attn.wq_b(attn.q_norm(attn.wq_a(x))), pos)
     keys = torch.cat((ctx_k.float(), attn.window_rows(x, pos).float()), 1)
     o = attend(q, keys, valid, None, None, attn.attn_sink, attn.hd ** -0.5, dense=True)
     return attn.output(o, pos, x.dtype)
@@ -258,6 +258,37 @@ def draft_block(model, states: list[DraftState], anchors: torch.Tensor, P: torch
     valid = torch.cat((cvalid, torch.ones(pos.shape[0], N, N, dtype=torch.bool, device=P.device)), -1)
     h = blocks_forward(model, ids, pos, ctx, valid)
     return h, base_logits(model, h)
+
+
+def draft_step(shapes, rings, ring_pos, anchors, P):
+    """`draft_block` with static shapes (the model's `static_kv.StepShapes`; the DSpark draft
+    step, `dspark_steps.DraftStep`, compiles it): one block's hidden rows and base logits for B
+    sequences. rings [S, B, W, wb] uint8 (every draft stage's window ring), ring_pos [B, W] int64
+    (-1: an empty slot; the same slots in every stage), anchors [B], P [B] (the context holds
+    positions < P). Each stage's block rows go through `Block.step` over the ring's bytes and the
+    block's own window rows (encoded to the window format, decoded inside the attention kernel),
+    a ring slot counting for every row when P - sliding_window <= kp < P (`window_visible`),
+    non-causal inside the block. Nothing is stored; the Markov pass that follows (`markov_decode`)
+    stays on the host. Returns (h [B, N, D] the pre-norm hidden, base [B, N, V] fp32 logits before
+    the Markov bias, experts {stage: [B * N, k]})."""
+    model, cfg = shapes.model, shapes.cfg
+    N, W = cfg.dspark_block_size, cfg.sliding_window
+    B, S = ring_pos.shape
+    dev = anchors.device
+    ids = block_ids(cfg, anchors)
+    pos = P.view(B, 1) + torch.arange(N, device=dev)                              # [B, N]
+    seen = torch.cat((window_visible(ring_pos, P.view(B, 1), W),
+                      torch.ones(B, N, dtype=torch.bool, device=dev)), 1)
+    win_valid = seen.unsqueeze(1).expand(B, N, S + N)
+    experts: dict[int, torch.Tensor] = {}
+    x = model.embed(ids).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)
+    pre = first_pre(x)
+    for s, st in enumerate(model.mtp):             # the order of `blocks_forward`
+        io = {"ring": rings[s], "ring_pos": ring_pos, "window_valid": win_valid}
+        x, pre = st.step(shapes, x, pre, pos, io, None, None)
+        experts[s] = io["experts"]
+    h = collapse(x, pre)
+    return h, base_logits(model, h), experts
 
 
 def window_visible(kp: torch.Tensor, P: torch.Tensor, W: int) -> torch.Tensor:

@@ -1,5 +1,7 @@
-"""The DSpark verify step with static shapes: anchor + drafts for B sequences in one compiled
-call (`step.decode_step` with ids [B, T]), and the write-back of the kept prefix.
+"""The DSpark steps with static shapes, each a compiled wrapper of the one model: the verify step
+(`model.decode_step` with ids [B, T]: anchor + drafts for B sequences in one call, and the
+write-back of the kept prefix) and the draft step (`dspark.draft_step`: one block's hidden rows
+and base logits).
 
 `rollback.verify` (the reference, and the fallback) appends the T tokens to the sequences'
 caches through the eager encoder and decoder passes, then `rollback.rollback` undoes what the
@@ -28,14 +30,18 @@ import weakref
 
 import torch
 
-from cedlm.model import step as step_
-from cedlm.model.compiled_step import (CompiledDecode, compile_step, graph_name, run_step,
-                                       scratch_states)
+from cedlm.model import dspark
+from cedlm.model.model import decode_step
+from cedlm.model.static_kv import StepShapes
+from cedlm.model.compiled_step import (CompiledDecode, compile_step, graph_name, mark_dynamic,
+                                       run_step, scratch_states)
 from cedlm.model.state import SequenceState
 
 
 # decode step -> {T: VerifyStep}; weak, so the graphs go with the model's decode step
 _STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# decode step -> DraftStep
+_DRAFTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class VerifyStep:
@@ -55,10 +61,10 @@ class VerifyStep:
                              f"{decoder.model.cfg.sliding_window}]")
         self.decoder, self.model, self.T = decoder, decoder.model, T
         self.compile = decoder.mode == "compiled"
-        self.fn = self.uncompiled = step_.decode_step
+        self.fn = self.uncompiled = decode_step
         if self.compile:                         # a graph of its own (options as the decode step's)
             self.fn = compile_step(decoder.device)
-        self._shapes: dict[bool, step_.StepShapes] = {}
+        self._shapes: dict[bool, StepShapes] = {}
         self.compile_s: dict[str, float] = {}
         self.log = log
 
@@ -67,7 +73,7 @@ class VerifyStep:
         """Whether this step runs now (else the caller takes `rollback.verify`)."""
         return self.decoder.mode != "eager" and self.decoder.why_not() is None
 
-    def _shape(self, states) -> step_.StepShapes:
+    def _shape(self, states) -> StepShapes:
         sh = self.decoder.shape_for(states)
         if sh.flat not in self._shapes:
             mine = copy.copy(sh)
@@ -89,7 +95,7 @@ class VerifyStep:
             ids = torch.cat((ids, ids.new_zeros(B, self.T - t)), 1)
         shapes = self._shape(states)
         args = self.decoder.inputs(ids, states)
-        logits, out = run_step(self, f"verify step (T={self.T})", step_.decode_step, (shapes, *args),
+        logits, out = run_step(self, f"verify step (T={self.T})", decode_step, (shapes, *args),
                                graph_name(B, shapes.flat))
         return logits, out.pop("taps"), out
 
@@ -109,4 +115,72 @@ class VerifyStep:
             return {}
         for B in batch_sizes:
             self(torch.arange(B * self.T, device="cpu").view(B, self.T) % 7, scratch_states(self.model, B, rows))
+        return dict(self.compile_s)
+
+
+class DraftStep:
+    """`dspark.draft_block` as one compiled call per block (`dspark.draft_step`):
+
+        ds = DraftStep.of(CompiledDecode.of(model))
+        h, base = ds(states, anchors, P)        # DraftState per sequence; h [B, N, D], base [B, N, V]
+
+    Modes follow the decode step's (`CompiledDecode.mode`): "compiled" compiles it (its own
+    graphs: batch 1 and batch >= 2), "static" and "cudagraph" run it uncompiled, "eager" (or a
+    reason in `why_not`) sends the caller to `dspark.draft_block` (`usable` is False).
+    `tests/test_draft_step.py` compares h, base and the experts with `draft_block`."""
+
+    @classmethod
+    def of(cls, decoder: CompiledDecode, log=None) -> "DraftStep":
+        """The draft step of `decoder`'s model, made once (engines built one after another share
+        its graphs)."""
+        if decoder not in _DRAFTS:
+            _DRAFTS[decoder] = cls(decoder, log=log)
+        return _DRAFTS[decoder]
+
+    def __init__(self, decoder: CompiledDecode, log=None):
+        if not hasattr(decoder.model, "mtp"):
+            raise ValueError("draft step: this model has no DSpark drafter (no mtp.* weights)")
+        self.decoder, self.model = decoder, decoder.model
+        self.compile = decoder.mode == "compiled"
+        self.uncompiled = dspark.draft_step
+        self.fn = compile_step(decoder.device, dspark.draft_step) if self.compile else dspark.draft_step
+        self.compile_s: dict[str, float] = {}
+        self.log = log
+
+    @property
+    def usable(self) -> bool:
+        """Whether this step runs now (else the caller takes `dspark.draft_block`)."""
+        return self.decoder.mode != "eager" and self.decoder.why_not() is None
+
+    @torch.no_grad()
+    def __call__(self, states: list[dspark.DraftState], anchors: torch.Tensor, P: torch.Tensor,
+                 with_experts: bool = False):
+        """One block per sequence: anchors [B] at positions P [B] (its context holds positions
+        < P) -> (h [B, N, D], base [B, N, V]), as `dspark.draft_block`; with_experts: also the
+        experts each stage chose ({stage: [B * N, k]}, for a test)."""
+        B = len(states)
+        if anchors.shape != (B,) or P.shape != (B,):
+            raise ValueError(f"draft step: anchors {tuple(anchors.shape)} and P {tuple(P.shape)} "
+                             f"must both be [{B}] (one per state)")
+        if B == 1:
+            rings, ring_pos = states[0].window.unsqueeze(1), states[0].window_pos[:1]
+        else:
+            rings = torch.stack([st.window for st in states], 1)
+            ring_pos = torch.stack([st.window_pos[0] for st in states])
+        args = (self.decoder.shapes, rings, ring_pos, anchors, P)
+        if self.compile and B > 1:                 # one graph for every batch size >= 2
+            mark_dynamic((rings, 1), (ring_pos, 0), (anchors, 0), (P, 0))
+        h, base, experts = run_step(self, "draft step", dspark.draft_step, args, graph_name(B, False))
+        return (h, base, experts) if with_experts else (h, base)
+
+    @torch.no_grad()
+    def warm_up(self, batch_sizes: tuple[int, ...] = (1, 2)) -> dict[str, float]:
+        """Compile the graphs before a request, on empty draft states."""
+        if not self.compile or not self.usable:
+            return {}
+        dev = self.decoder.device
+        for B in batch_sizes:
+            states = [dspark.DraftState(self.model.kv_layout, len(self.model.mtp), device=dev)
+                      for _ in range(B)]
+            self(states, torch.full((B,), 3, device=dev), torch.zeros(B, dtype=torch.int64, device=dev))
         return dict(self.compile_s)

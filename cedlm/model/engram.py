@@ -119,3 +119,20 @@ class Engram(nn.Module):
         if dead is not None:
             gate = gate.masked_fill(dead.unsqueeze(-1), 0.0)
         return (xf + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(x.dtype)
+
+
+def lookup_rows(model, full: torch.Tensor, history: int) -> dict[int, torch.Tensor]:
+    """{Engram layer: its looked-up rows [B, T, buckets * head_dim]} for token ids full
+    [B, history + T]: each row's `history` previous ids (the pad id before position 0), then the
+    rows' own. From token ids alone, before any layer runs (the prefill, the decode, and the
+    static steps, where an offloaded table is read on the host before the step)."""
+    cfg = model.cfg
+    cids = model.engram_token_map[full]
+    dead = model.image_mask(full)
+    pad = model.engram_token_map[cfg.engram_pad_token_id]      # a 0-d tensor: no .item()
+    out = {}
+    for l in cfg.engram_layer_ids:
+        eng = model.layers[l].engram
+        out[l] = eng.lookup(eng.hasher.rows(cids, history) if dead is None else
+                            eng.hasher.rows(cids, history, dead, pad))
+    return out

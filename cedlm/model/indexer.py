@@ -22,6 +22,7 @@ from cedlm.model.forward_batch import ForwardBatch
 from cedlm.model.kv_cache import KVCache
 from cedlm.model.norm import RMSNorm
 from cedlm.model.rope import Rope
+from cedlm.model import static_kv
 from cedlm.kernels import index as kernels_index
 from cedlm.kernels import store_round
 
@@ -183,3 +184,49 @@ class Indexer(nn.Module):
                 N = visible.shape[-1]
                 sel.topk[self.layer_id] = (torch.arange(N, device=visible.device).expand(visible.shape), visible)
         return sel.topk[self.layer_id]
+
+    # ---------------------------------------------------------------- the static step
+    def step_select(self, shapes, P: dict, p1: torch.Tensor, n_vis: torch.Tensor, io: dict):
+        """`select` in the static step (`Attention.step`) for the call's query rows p1 [B, T]
+        (P: the layer's products "ix_q", "ix_w"; n_vis [B, T] the entries each row sees) over
+        the padded entries (io["idx_rows"]: the stored keys' bytes, the keys this call completed,
+        n stored) -> (idx [B, T, k], valid). On a Reindex layer only the candidate pool's entries
+        are scored (io["pool_sel"]: the candidate source's `candidate_entries`, which that source
+        puts there); the reference scores every entry and masks all but the pool: the same scores
+        for the pool's entries (a score depends on its key alone), so the same selection, at the
+        pool's cost instead of the context's."""
+        cfg = self.cfg
+        fmt = shapes.idx_fmt[self.keys_src]
+        raw, key, n = io["idx_rows"]
+        B, T = n_vis.shape
+        q = P["ix_q"].unflatten(-1, (self.h, self.d))                  # `queries`, from the products
+        w = P["ix_w"].float() * (self.d ** -0.5 * self.h ** -0.5)
+        q = static_kv.stored(self.rope.apply(q, p1.unsqueeze(-1)), fmt).contiguous()
+        reindex = self.in_pool and "pool_sel" in io
+        # the stored keys straight from their bytes; the keys this call completed (not stored yet)
+        # scored here and put at their indices n, n + 1, ... for the rows that see them
+        if reindex:
+            at, ok = io["pool_sel"]                                                  # [B, T, M]
+            M, wk = at.shape[-1], static_kv.words(raw)
+            keys = static_kv.unwords(wk.gather(1, at.reshape(B, T * M, 1).expand(-1, -1, wk.shape[-1])))
+            stored = (ok & (at < n.view(-1, 1, 1))).reshape(B * T, 1, M)
+            score = static_kv.cedlm_ops.index_score(q.reshape(B * T, 1, self.h, self.d),
+                                                    w.reshape(B * T, 1, self.h),
+                                                    keys.reshape(B * T, M, -1), stored, fmt).view(B, T, M)
+        else:
+            N = raw.shape[1]
+            at = torch.arange(N, device=raw.device).view(1, 1, N)
+            score = static_kv.cedlm_ops.index_score(q, w, raw, (at < n.view(-1, 1, 1)).expand(B, T, N), fmt)
+        new = (torch.einsum("bthd,bgd->btgh", q, key).relu() * w.unsqueeze(2)).sum(-1)   # [B, T, G]
+        off = at - n.view(-1, 1, 1)                                                  # [B, 1 or T, N or M]
+        seen = (off >= 0) & (off < (n_vis - n.view(-1, 1)).unsqueeze(-1))             # [B, T, N or M]
+        made = new.gather(-1, off.clamp(0, new.shape[-1] - 1).expand(B, T, -1))
+        score = torch.where(seen, made, score)
+        if reindex:
+            score = score.masked_fill(~ok, NEG)
+        elif self.layer_id == cfg.candidate_source_layer_id:
+            io["pool_sel"] = candidate_entries(score, n_vis, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+        idx, vals = static_kv.cedlm_ops.stable_topk(score.contiguous(), min(cfg.index_topk, score.shape[-1]))
+        if reindex:
+            idx = at.gather(-1, idx)                                 # pool slots -> entry indices
+        return idx, vals > NEG

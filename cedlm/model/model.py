@@ -26,47 +26,17 @@ from cedlm.config import ConfigError, ModelConfig, RUNNABLE_FAMILIES
 from cedlm.config.vision import vision_config_of, vision_enabled
 from cedlm.kv_layout import KVLayout
 from cedlm.model import replay as replay_
-from cedlm.model.attention import Attention
-from cedlm.model.engram import Engram
+from cedlm.model.block import Block
+from cedlm.model.engram import lookup_rows
 from cedlm.model.dspark import build_mtp
 from cedlm.model.forward_batch import ForwardBatch
 from cedlm.model.kv_cache import ByteKVCache, KVCache, TrainingKVCache
-from cedlm.model.mhc import add_hc_params, collapse, expand, first_pre, sublayer_mixes
-from cedlm.model.moe import MoE
+from cedlm.model.mhc import collapse, first_pre
 from cedlm.model.norm import RMSNorm
 from cedlm.model.replay import PREFILL_MODES, PrefillRun
 from cedlm.model.state import SequenceState
+from cedlm.model.static_kv import StepShapes
 from cedlm.model.vision import add_vision, splice
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
-        super().__init__()
-        self.cfg, self.layer_id = cfg, layer_id
-        D, n = cfg.hidden_size, cfg.hc_mult
-        self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
-        add_hc_params(self, n, D)
-        self.attn = Attention(cfg, layer_id)
-        self.ffn = MoE(cfg)
-        if layer_id in cfg.engram_layer_ids:
-            self.engram = Engram(cfg, layer_id)
-
-    def mixes(self, x: torch.Tensor, sub: str):
-        return sublayer_mixes(self, x, sub, self.cfg)
-
-    def forward(self, x: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, cache: KVCache):
-        """x: mHC copies [B, T, n, D]; pre: the previous sub-layer's pre [B, T, n]."""
-        if hasattr(self, "engram"):
-            x = self.engram(x, batch.engram_rows[self.layer_id], batch.image_mask)
-        pre_a, post, comb = self.mixes(x, "attn")
-        x = expand(x, self.attn(self.attn_norm(collapse(x, pre)), batch, cache), post, comb)
-        pre_f, post, comb = self.mixes(x, "ffn")
-        x = expand(x, self.ffn(self.ffn_norm(collapse(x, pre_a)), batch.image_mask), post, comb)
-        return x, pre_f
-
-    def write_global(self, x: torch.Tensor, pre: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> None:
-        self.attn.write_global(self.attn_norm(collapse(x, pre)), batch, cache)
 
 
 class CEDModel(nn.Module):
@@ -138,16 +108,7 @@ class CEDModel(nn.Module):
         # the h ids before each row (host-side token ids, padded in front), one copy to the device
         history = torch.tensor([[cfg.engram_pad_token_id] * (h - len(p)) + list(p) for p in hist],
                                dtype=torch.int64, device=ids.device).view(ids.shape[0], h)
-        full = torch.cat((history, ids), 1)
-        cids = self.engram_token_map[full]
-        dead = self.image_mask(full)
-        pad = self.engram_token_map[cfg.engram_pad_token_id]      # a 0-d tensor: no .item()
-        out = {}
-        for l in cfg.engram_layer_ids:
-            eng = self.layers[l].engram
-            out[l] = eng.lookup(eng.hasher.rows(cids, h) if dead is None else
-                                eng.hasher.rows(cids, h, dead, pad))
-        return out
+        return lookup_rows(self, torch.cat((history, ids), 1), h)
 
     def encoder_pass(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, replay: bool = False,
                      images=None, probe=None, first: tuple[int, ...] | None = None):
@@ -243,3 +204,102 @@ class CEDModel(nn.Module):
     def num_parameters(self, exclude_engram: bool = False) -> int:
         return sum(p.numel() for n, p in self.named_parameters()
                    if not (exclude_engram and ".engram.embed." in n))
+
+
+# ---------------------------------------------------------------- the static step
+def decode_step(shapes: StepShapes, ids, pos, hist, rings, ring_pos, pools, table, counts, pending,
+                engram=None, blocks=None):
+    """The model's forward over tensors whose shapes do not depend on the data (`static_kv.py`),
+    one token per sequence, as one function that torch.compile captures whole (`compiled_step.py`)
+    or by layer kind (`blocks`: {layer: the compiled `Block.step` of its kind}, one region per
+    `Block.kind`, run from this function uncompiled). With ids [B, T]
+    (T >= 2), the DSpark verify step: T tokens per sequence at positions pos .. pos + T - 1, each
+    row attending to the cache as it was plus the block's earlier rows; nothing is stored, so the
+    host keeps any prefix of the block (`dspark_steps.VerifyStep`).
+
+    ids [B] (or [B, T]), pos [B] int64 (the first position); hist [B, h] the h previous token
+    ids (Engram; pad id before position 0); rings [L, B, S, wb] uint8 and ring_pos [L, B, S]
+    int64 (the windows before this step); pools: {("kv"|"idx", src): [nblocks, per_block, width]
+    uint8}; table [B, nb] int64 block ids (a spare column at the end); counts {src: [B] int64
+    entries stored}; pending {src: (kv, gate) [B, r-1, hd] fp32}; engram: {layer: [B, T, width]}
+    rows looked up before the step (an offloaded table), or None: looked up here.
+    Returns (logits [B, vocab] (or [B, T, vocab]) fp32, out) with out = {"window": [L, B, (T,) wb]
+    new ring rows, "entries": {src: (kv bytes [B, G, w], idx bytes or None, emit [B, G])},
+    "pending": {src: (kv, gate)}, "topk": {layer: (idx, valid)}, "experts": {layer: ids}} (and
+    "taps" [B, T, taps * D] with `shapes.taps`). It also returns its discrete decisions (top-k
+    entries, experts) so a test can replay them on the eager path (`decisions.py`)."""
+    model, cfg = shapes.model, shapes.cfg
+    B = ids.shape[0]
+    ids = ids.view(B, -1)
+    T = ids.shape[1]
+    p1 = pos.view(B, 1) + torch.arange(T, device=pos.device)                     # [B, T]
+    out = {"window": [], "entries": {}, "pending": {}, "topk": {}, "experts": {}}
+    taps, made, pool_sel = {}, {}, None         # made: a KV source's io (its entries, index keys)
+    image = None if model.image_token_id is None else (ids == model.image_token_id)
+    x = model.embed(ids).view(B, T, 1, -1).expand(-1, -1, cfg.hc_mult, -1)
+    pre = first_pre(x)
+    if engram is None:
+        engram = engram_rows(model, ids, hist)
+    for l, layer in enumerate(model.layers):
+        if shapes.taps and l in cfg.dspark_target_layer_ids:    # `rollback.capture`'s taps
+            taps[l] = x.float().mean(2)
+        io = layer_io(shapes, layer.attn, rings[l], ring_pos[l], pools, table, counts, pending,
+                      made, out["topk"], pool_sel)
+        block = Block.step if blocks is None else blocks[l]
+        x, pre = block(layer, shapes, x, pre, p1, io, engram.get(l), image)
+        out["window"].append(io["window"])
+        out["experts"][l] = io["experts"]
+        if layer.attn.role == "full":
+            made[l] = io
+            out["entries"][l] = io["entries"]
+            if shapes.ratio[l] > 1:
+                out["pending"][l] = io["pending"]
+        if layer.attn.sparse and layer.attn.role in ("full", "reindex"):
+            out["topk"][l] = io["topk"]
+        pool_sel = io.get("pool_sel", pool_sel)
+    logits = model.head(model.norm(collapse(x, pre))).float()
+    out["window"] = torch.stack(out["window"])
+    if shapes.taps:
+        out["taps"] = torch.cat([taps[t] for t in cfg.dspark_target_layer_ids], -1)
+    return (logits[:, 0] if T == 1 else logits), out
+
+
+def layer_io(shapes, attn, ring, ring_pos, pools, table, counts, pending, made, topk, pool_sel) -> dict:
+    """The static tensors one layer's step reads (`Attention.step`): its window ring, a KV
+    source's stored entries and pending rows, a reader's pool and its source's new entries, the
+    selection it reuses or refines."""
+    io = {"ring": ring, "ring_pos": ring_pos, "table": table}
+    l = attn.layer_id
+    if attn.role == "full":
+        io["count"] = counts[l]
+        if shapes.ratio[l] > 1:
+            io["pending"] = pending[l]
+        if l in shapes.key_sources:
+            io["idx_pool"] = pools[("idx", l)]
+    if attn.ratio > 0:
+        io["kv_pool"] = pools[("kv", attn.src)]
+        if attn.src != l:
+            io["comp"] = made[attn.src]["comp"]
+        if attn.sparse and attn.role in ("full", "reindex"):
+            if attn.indexer.keys_src != l:
+                io["idx_rows"] = made[attn.indexer.keys_src]["idx_rows"]
+            if pool_sel is not None and attn.indexer.in_pool:
+                io["pool_sel"] = pool_sel
+        elif attn.sparse:
+            io["topk"] = topk[attn.isrc]
+    return io
+
+
+def engram_rows(model, ids, hist) -> dict:
+    """{Engram layer: [B, T, width]} for token ids [B] (T = 1) or [B, T] after history [B, h]."""
+    if not model.cfg.engram_layer_ids:
+        return {}
+    return lookup_rows(model, torch.cat((hist, ids.view(hist.shape[0], -1)), 1), hist.shape[1])
+
+
+def prepare_static(model) -> None:
+    """Fused projections and stacked experts (`Attention.fuse`, `MoE.stack`) for the static step,
+    in the target's layers and the DSpark drafter's."""
+    for layer in [*model.layers, *getattr(model, "mtp", ())]:
+        layer.attn.fuse()
+        layer.ffn.stack()

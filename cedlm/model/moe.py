@@ -1,5 +1,11 @@
 """MoE: sqrtsoftplus router with a selection-only bias (aux-loss-free balancing), a shared expert,
-clamped SwiGLU experts, normalised top-k weights times `routed_scaling_factor`."""
+clamped SwiGLU experts, normalised top-k weights times `routed_scaling_factor`.
+
+Three formulations of the routed sum, one per use: grouped by expert (`_routed`: training,
+prefill and the eager decode; each expert once over the tokens that chose it), gathered from
+stacked weights (`step`: the static decode, verify and draft steps; shapes independent of the
+routing) and dense (`forward_reference`: every expert on every token, a test oracle).
+"""
 from __future__ import annotations
 
 import torch
@@ -7,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cedlm.config import ModelConfig
-from cedlm.kernels.gate import reference_kernels
+from cedlm.model.linear import concat_weights
 
 
 class Expert(nn.Module):
@@ -83,8 +89,6 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                   # [N, D]
         w, ids = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
-        if x.shape[0] == 1 and not self.training and not reference_kernels():
-            return self._one_token(x, w, ids).to(x.dtype).reshape(shape)
         out = self._routed(x, w, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).float()
@@ -105,17 +109,6 @@ class MoE(nn.Module):
             out.index_add_(0, tok, y.float() * w[tok, slot, None])
         return out
 
-    def _one_token(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The routed loop above for a single token (batch-1 decode), without the grouping ops
-        (bincount, nonzero, where, index, index_add_): its k experts in ascending id order, each
-        output added to a zero row as index_add_ adds it, so the result is bit-identical."""
-        out = torch.zeros_like(x, dtype=torch.float32)
-        for e, j in sorted((e, j) for j, e in enumerate(ids[0].tolist())):
-            out += self.experts[e](x).float() * w[:, j:j + 1]
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x).float()
-        return out
-
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """Dense reference: every expert on every token, combined by the routing weights."""
         shape = x.shape
@@ -127,3 +120,52 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).float()
         return out.to(x.dtype).reshape(shape)
+
+    # ---------------------------------------------------------------- the static step
+    def step(self, x: torch.Tensor, image: torch.Tensor | None = None):
+        """The routed experts from stacked weights (`stack`) + the shared expert, shapes
+        independent of the routing: x [B, T, D] -> ([B, T, D], expert ids [B * T, k])."""
+        B = x.shape[0] * x.shape[1]
+        xf = x.reshape(B, -1)
+        w, ids = self.gate(xf, None if image is None else image.reshape(-1))
+        chosen = ids
+        ids, order = ids.sort(-1)                         # ascending expert id, as `_routed` adds
+        w = torch.gather(w, 1, order)
+        W1, W2, W3 = self.stacked
+        lim = self.experts[0].limit
+        # Each matrix-vector product written as multiply-and-sum over the gathered expert rows:
+        # inductor fuses the gather into the reduction and reads each selected expert's weights
+        # once (a bmm over W[ids] would first copy them).
+        xe = xf.view(B, 1, 1, -1)
+        g = (xe * W1[ids]).sum(-1)                                                   # [B, k, I]
+        u = (xe * W3[ids]).sum(-1)
+        if lim:
+            g, u = g.clamp(max=lim), u.clamp(-lim, lim)
+        h = (F.silu(g) * u).unsqueeze(-2)                                            # [B, k, 1, I]
+        y = (h * W2[ids]).sum(-1).float() * w.unsqueeze(-1)                          # [B, k, D]
+        o = y[:, 0]
+        for j in range(1, y.shape[1]):
+            o = o + y[:, j]
+        if self.shared_experts is not None:               # `Expert.forward`, w1 and w3 in one product
+            sh = self.shared_experts
+            W, sizes = self.fused_shared
+            g, u = F.linear(xf, W).split(sizes, -1)
+            if sh.limit:
+                g, u = g.clamp(max=sh.limit), u.clamp(-sh.limit, sh.limit)
+            o = o + sh.w2(F.silu(g) * u).float()
+        return o.to(x.dtype).view(x.shape), chosen
+
+    def stack(self) -> None:
+        """Stacked expert weights ([E, out, in] per projection, `stacked`) whose slices ARE the
+        experts' parameters (same storage: a later load writes both), and the shared expert's w1
+        and w3 as one matrix (`fused_shared`), for `step`."""
+        if getattr(self, "stacked", None) is not None:
+            return
+        stacks = []
+        for name in ("w1", "w2", "w3"):
+            W, sizes = concat_weights([getattr(e, name) for e in self.experts])
+            stacks.append(W.view(len(sizes), sizes[0], -1))
+        self.stacked = tuple(stacks)
+        sh = self.shared_experts
+        self.fused_shared = None if sh is None else concat_weights([sh.w1, sh.w3])
+
