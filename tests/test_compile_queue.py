@@ -128,3 +128,29 @@ def test_a_request_that_goes_away_leaves_the_queue():
     run(go())
     time.sleep(0.1)
     assert fake.calls == ["first"] and q.pending == 0 and q.counters["cancelled"] == 2
+
+
+def test_one_client_leaves_a_compiler_to_the_others():
+    """With 2 compilers a client runs one compilation at a time: another client's constraint
+    compiles at once, while the first client's slow ones still wait."""
+    started = {}
+    release = threading.Event()
+
+    def compile_fn(param, kind, value):
+        started[value] = time.monotonic()
+        if value.startswith("slow"):
+            release.wait(10)
+        return value
+    q = CompileQueue(compile_fn, workers=2)
+
+    async def go():
+        greedy = [asyncio.ensure_future(q.compile("p", "regex", f"slow{i}", "greedy")) for i in range(3)]
+        await asyncio.sleep(0.1)
+        assert sorted(started) == ["slow0"]               # one at a time for that client
+        t0 = time.monotonic()
+        assert await q.compile("p", "regex", "quick", "other") == "quick"
+        waited = time.monotonic() - t0
+        release.set()
+        await asyncio.gather(*greedy)
+        return waited
+    assert run(go()) < 0.5 and q.pending == 0 and not q.running

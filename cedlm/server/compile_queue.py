@@ -13,9 +13,10 @@ budget (10 s), so the way requests reach them decides whether one client can sta
   `MAX_PER_CLIENT` per client (its address); over either, `CompileBusy` (the handler answers 429
   with `retry-after`, an estimate of when a compiler frees up), before anything is queued.
 - **fairness**: its own threads, one per compiler process (never the event loop's shared thread
-  pool), take the next job round-robin across clients, so a client with many queued
-  compilations waits behind its own, and another client's constraint is next once a compiler
-  frees up.
+  pool), take the next job round-robin across clients, and one client runs at most
+  `workers - 1` compilations at once (1 with the default 2 compilers): a compiler is always left
+  for the other clients, so a client flooding the queue with slow schemas waits behind its own
+  and another client's constraint compiles at once, in its normal time.
 - **cancellation**: a request that goes away (its client disconnects, its handler is cancelled)
   takes its job out of the queue; a job already compiling finishes and its result is cached.
 """
@@ -79,6 +80,8 @@ class CompileQueue:
         self.queues: OrderedDict[str, deque[_Job]] = OrderedDict()      # client -> its waiting jobs
         self.inflight: dict[str, _Job] = {}                               # key -> queued or running job
         self.per_client: dict[str, int] = {}
+        self.running: dict[str, int] = {}                                 # client -> its jobs compiling
+        self.max_running = max(1, self.workers - 1)                       # per client
         self.pending = 0
         self.seconds = 1.0                                               # running mean compile time
         self.counters = {"cache_hits": 0, "compiled": 0, "busy": 0, "cancelled": 0, "shared": 0}
@@ -181,16 +184,20 @@ class CompileQueue:
             th.start()
 
     def _next(self) -> _Job | None:
-        """The next job, round-robin over clients (the caller holds the lock)."""
-        while not self.queues and not self.closed:
+        """The next job, round-robin over the clients below their running share (the caller holds
+        the lock)."""
+        while not self.closed:
+            client = next((c for c in self.queues if self.running.get(c, 0) < self.max_running), None)
+            if client is not None:
+                break
             self.cv.wait()
-        if self.closed:
+        else:
             return None
-        client, q = next(iter(self.queues.items()))
+        q = self.queues.pop(client)
         job = q.popleft()
-        del self.queues[client]
         if q:
             self.queues[client] = q                 # to the back of the round
+        self.running[client] = self.running.get(client, 0) + 1
         return job
 
     def _done(self, job: _Job) -> None:
@@ -201,6 +208,12 @@ class CompileQueue:
             del self.per_client[job.client]
         self.pending -= 1
 
+    def _stopped(self, job: _Job) -> None:
+        self.running[job.client] -= 1
+        if not self.running[job.client]:
+            del self.running[job.client]
+        self.cv.notify_all()                        # a thread may now take this client's next job
+
     def _run(self) -> None:
         while True:
             with self.cv:
@@ -208,6 +221,9 @@ class CompileQueue:
             if job is None:
                 return
             if not job.future.set_running_or_notify_cancel():
+                with self.cv:
+                    self._stopped(job)
+                    self._done(job)
                 continue
             t0 = time.monotonic()
             try:
@@ -218,6 +234,7 @@ class CompileQueue:
                 cache = not getattr(e, "transient", False)
             except Exception as e:               # noqa: BLE001 - delivered to the request
                 with self.cv:
+                    self._stopped(job)
                     self._done(job)
                 job.future.set_exception(e)
                 continue
@@ -229,6 +246,7 @@ class CompileQueue:
                     self.cache[job.key] = result
                     while len(self.cache) > self.cache_entries:
                         self.cache.popitem(last=False)
+                self._stopped(job)
                 self._done(job)
             job.future.set_result(result)
 

@@ -1,0 +1,149 @@
+"""A greedy bystander's longest gap and /health's worst latency while hostile constrained requests run.
+
+    .venv/bin/python bench/scripts/constraint_stalls.py --case masks --requests 6
+    .venv/bin/python bench/scripts/constraint_stalls.py --case masks --requests 6 --on-engine-thread
+    .venv/bin/python bench/scripts/constraint_stalls.py --case compiles --requests 50
+
+Serves `tiny` (1 torch thread, 8 sequence slots) in this process (its clients share one connection
+pool: a client per request spent seconds of this process's time making SSL contexts) on a loopback port, streams a 64-token greedy
+bystander alone, then again while the hostile requests run, with /health and /v1/models polled
+every 50 ms. Cases:
+
+- `masks`: `--requests` constrained requests at once whose grammar masks are slow
+  (`--mask-delay` seconds added to each mask, or a real regex with `--regex`); with
+  `--on-engine-thread` the engine waits for every mask (as when masks were computed on its
+  thread).
+- `compiles`: `--requests` distinct constraints at once from one client, each taking
+  `--compile-delay` seconds longer to compile, then one constraint from another client (another
+  loopback address): how long it waited, how many of the flood were 429.
+
+Prints one JSON line: the bystander's longest gap alone and beside them, whether its text was
+identical, /health and /v1/models worst, the hostile requests' status codes, KV blocks in use after.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+
+BYSTANDER = {"model": "m", "prompt": "The bystander says", "max_tokens": 64, "temperature": 0,
+             "ignore_eos": True, "stream": True}
+
+
+def stream(httpx, base) -> tuple[str, float]:
+    parts, last, gap = [], None, 0.0
+    with httpx.stream("POST", f"{base}/v1/completions", json=BYSTANDER, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                now = time.monotonic()
+                gap = max(gap, now - last) if last is not None else gap
+                last = now
+                parts.extend(c["text"] for c in json.loads(line[6:])["choices"])
+    return "".join(parts), gap
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", choices=("masks", "compiles"), default="masks")
+    ap.add_argument("--requests", type=int, default=6)
+    ap.add_argument("--mask-delay", type=float, default=1.0)
+    ap.add_argument("--regex", default=None, help="a real regex instead of the added mask delay")
+    ap.add_argument("--compile-delay", type=float, default=5.0)
+    ap.add_argument("--on-engine-thread", action="store_true")
+    a = ap.parse_args()
+    import httpx
+
+    from cedlm.engine import engine as engine_mod
+    from cedlm.engine.llm import LLM
+    from cedlm.server.app import create_app
+    from cedlm.server.constrain import GrammarProcessor
+    from test_server import serve
+    llm = LLM("tiny", num_threads=1, kv_budget_bytes=32 << 20, max_num_seqs=8, replay_mode="exact")
+    app = create_app(llm, served_model_name="m")
+    if a.on_engine_thread:
+        engine_mod.MASK_WAIT_S = 600.0
+    if a.case == "masks" and a.regex is None:
+        compute = GrammarProcessor._compute
+
+        def slow(self, span):
+            if span:
+                time.sleep(a.mask_delay)
+            return compute(self, span)
+        GrammarProcessor._compute = slow
+    with serve(app) as base:
+        if a.case == "compiles":
+            pool = app.state.server.grammars.pool()
+            compile_ = pool.compile
+
+            def slow_compile(param, kind, value):
+                if str(value).startswith("flood"):
+                    time.sleep(a.compile_delay)
+                return compile_(param, kind, value)
+            pool.compile = slow_compile
+        alone, gap_alone = stream(httpx, base)
+        other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=600)
+        other_alone = None
+        if a.case == "compiles":                  # its normal time (a constraint of its own, compiled)
+            t0 = time.monotonic()
+            other.post(f"{base}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2,
+                                                        "guided_regex": "alone[0-9]"})
+            other_alone = round(time.monotonic() - t0, 3)
+        got: dict = {}
+        worst = {"/health": 0.0, "/v1/models": 0.0}
+        stop = threading.Event()
+
+        def poll():
+            c = httpx.Client(timeout=60)
+            while not stop.is_set():
+                for path in worst:
+                    t0 = time.monotonic()
+                    c.get(f"{base}{path}")
+                    worst[path] = max(worst[path], time.monotonic() - t0)
+                time.sleep(0.05)
+        poller = threading.Thread(target=poll)
+        poller.start()
+        by = threading.Thread(target=lambda: got.setdefault("b", stream(httpx, base)))
+        by.start()
+        time.sleep(0.3)
+        out: dict = {"case": a.case, "requests": a.requests}
+        flood = httpx.Client(limits=httpx.Limits(max_connections=a.requests + 4), timeout=600)
+        with ThreadPoolExecutor(a.requests) as ex:
+            if a.case == "masks":
+                body = {"model": "m", "prompt": "Letters:", "max_tokens": 12, "temperature": 0,
+                        "guided_regex": a.regex or "[a-z]{3,9}( [a-z]{3,9}){0,5}"}
+                futs = [ex.submit(flood.post, f"{base}/v1/completions", json=body)
+                        for _ in range(a.requests)]
+                out.update(mask_delay=None if a.regex else a.mask_delay, regex=a.regex,
+                           on_engine_thread=a.on_engine_thread)
+            else:
+                futs = [ex.submit(flood.post, f"{base}/v1/completions",
+                                  json={"model": "m", "prompt": "x", "max_tokens": 2, "guided_regex": f"flood{i}[a-z]+"})
+                        for i in range(a.requests)]
+                time.sleep(0.5)
+                t0 = time.monotonic()
+                r = other.post(f"{base}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2,
+                                                                "guided_regex": "another[0-9]"})
+                out.update(another_client_status=r.status_code, another_client_s=round(time.monotonic() - t0, 3),
+                           another_client_alone_s=other_alone,
+                           compile_delay=a.compile_delay)
+            codes = Counter(f.result().status_code for f in futs)
+        by.join(600)
+        stop.set()
+        poller.join(60)
+        text, gap = got["b"]
+        kv = app.state.worker.call(lambda e: e.pool.num_used).result(10)
+        out.update(codes=dict(codes), bystander_identical=text == alone, gap_alone_s=round(gap_alone, 3),
+                   gap_s=round(gap, 3), health_worst_s=round(worst["/health"], 3),
+                   models_worst_s=round(worst["/v1/models"], 3), kv_blocks_after=kv)
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
