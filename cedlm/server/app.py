@@ -242,7 +242,7 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
                max_prompt_tokens: int | None = None, exit_on_engine_failure: bool = False,
                default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                worker_options: dict | None = None, allow_remote_images: bool = False,
-               metrics_public: bool = False,
+               metrics_public: bool = False, sampling_defaults: dict | None = None,
                log_interval: float | None = 10.0) -> FastAPI:
     """An app serving an `LLM` or an `Engine`.
 
@@ -259,6 +259,8 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     on_failed); allow_remote_images: fetch http(s) `image_url`s (default off: 400; data: URLs always).
     metrics_public: with an api_key, leave /metrics open (default: behind the key, like every
     route but /health; the key is checked from the headers before a body is read: auth.py).
+    sampling_defaults: {field: value} for the sampling fields a request leaves unset
+    (`sampling_defaults.read` of a generation_config.json; None: the neutral values).
     log_interval: seconds between the throughput log lines while there is traffic (None: none;
     server/tracing.py).
     """
@@ -290,7 +292,8 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     app = FastAPI(title="cedlm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = ServerState(engine, tokenizer, table, worker, metrics,
                                    max_prompt_tokens=max_prompt_tokens,
-                                   default_max_tokens=default_max_tokens or None)
+                                   default_max_tokens=default_max_tokens or None,
+                                   sampling_defaults=sampling_defaults)
     app.state.worker, app.state.engine, app.state.aliases, app.state.metrics = worker, engine, table, metrics
     app.state.server.images = image_options(getattr(engine, "model", None), allow_remote_images)   # server/images.py
     app.add_middleware(ClientContext)                 # the client and its disconnect, for queued work (lanes.py)

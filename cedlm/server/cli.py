@@ -106,12 +106,33 @@ def add_parser(sub) -> None:
                    type=_non_negative, default=256,
                    help="max_tokens of a request that omits it (default 256: seconds on a 2-core CPU; "
                         "0: the rest of the context, as before)")
+    p.add_argument("--generation-config", "--generation_config", dest="generation_config", default="auto",
+                   help="sampling defaults for requests that leave them unset: 'auto' (the model "
+                        "directory's generation_config.json), 'none' (temperature 1, top_p 1), or a "
+                        "directory or file (server/sampling_defaults.py)")
     p.add_argument("--header-timeout", "--header_timeout", dest="header_timeout", type=float, default=10.0,
                    help="seconds a client may take to send a request's headers; then the connection is "
                         "closed (default 10; server/header_timeout.py)")
     p.add_argument("--log-level", "--log_level", dest="log_level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
+
+
+def sampling_defaults_of(args) -> dict:
+    """--generation-config: 'auto' reads the served model's directory (the shipped model's when
+    --model is not given; a preset has none), 'none' nothing, anything else that path."""
+    from pathlib import Path
+
+    from cedlm.engine.loader import DEFAULT_MODEL
+    from cedlm.server.sampling_defaults import read
+    choice = getattr(args, "generation_config", "auto")
+    if choice == "none":
+        return {}
+    if choice == "auto":
+        return read(DEFAULT_MODEL if args.model is None else args.model)
+    if not Path(choice).exists():
+        raise ValueError(f"generation_config: {choice!r} is neither 'auto', 'none' nor an existing path")
+    return read(choice)
 
 
 def build_app(args, background_compile: bool = False):
@@ -123,6 +144,7 @@ def build_app(args, background_compile: bool = False):
     from cedlm.server.aliases import AliasTable, default_served_name
     from cedlm.server.app import api_key_from_env, create_app
     from cedlm.engine.args import EngineArgs
+    from cedlm.server.sampling_defaults import describe
     llm = LLM(model=args.model, args=EngineArgs.from_cli(args))
     import logging
 
@@ -133,7 +155,9 @@ def build_app(args, background_compile: bool = False):
     else:
         llm.engine.warm_up()                  # compile before serving (logged; cached on disk)
     table = AliasTable.from_cli(args.served_model_name or default_served_name(args.model), args.alias)
-    return create_app(llm, aliases=table, api_key=api_key_from_env(args.api_key),
+    defaults = sampling_defaults_of(args)
+    logging.getLogger("cedlm.server").info("sampling defaults: %s", describe(defaults))
+    return create_app(llm, aliases=table, sampling_defaults=defaults, api_key=api_key_from_env(args.api_key),
                       max_waiting=args.max_waiting,
                       queue_timeout=args.queue_timeout if args.queue_timeout > 0 else None,
                       retry_after=args.retry_after, max_body_bytes=getattr(args, "max_body_bytes", 8 << 20),

@@ -76,7 +76,7 @@ def _chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
 class Envelope:
     """The Response object's fields that do not depend on the output."""
 
-    def __init__(self, rid: str, body: ResponsesRequest, model: str):
+    def __init__(self, rid: str, body: ResponsesRequest, model: str, defaults: dict | None = None):
         fmt = (body.text or {}).get("format") or {"type": "text"}
         self.fields: dict[str, Any] = {
             "id": rid, "object": "response", "created_at": int(time.time()), "model": model,
@@ -84,8 +84,8 @@ class Envelope:
             "max_output_tokens": body.max_output_tokens, "metadata": (body.model_extra or {}).get("metadata") or {},
             "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
             "reasoning": {"effort": effort_of(body), "summary": None}, "store": False,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": 1.0 if body.top_p is None else body.top_p, "text": {"format": fmt},
+            "temperature": (defaults or {}).get("temperature", 1.0) if body.temperature is None else body.temperature,
+            "top_p": (defaults or {}).get("top_p", 1.0) if body.top_p is None else body.top_p, "text": {"format": fmt},
             "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "truncation": "disabled",
             "user": (body.model_extra or {}).get("user"), "background": False}
 
@@ -286,7 +286,7 @@ async def responses(body: ResponsesRequest, raw: Request):
     if answer.status_code != 200:
         return answer                                  # 499: the client went away
     model = chat_body.model or raw.app.state.server.aliases.served_name
-    env = Envelope(engine_request_id(raw, "resp"), body, model)
+    env = Envelope(engine_request_id(raw, "resp"), body, model, raw.app.state.server.sampling_defaults)
     if isinstance(answer, StreamingResponse):
         events = ResponseEvents(env)
         return StreamingResponse(_events(answer.body_iterator, events), media_type="text/event-stream",

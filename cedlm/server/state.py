@@ -17,7 +17,9 @@ repetition penalties, logit_bias, allowed_token_ids and prompt_logprobs go to th
 fields; structured output, `min_tokens` and `min_p` are logits processors (`constrain.py`) on its
 `logits_processors` hook. A value the engine build cannot carry is a 400 naming the field, never
 silently dropped. A request without `max_tokens` gets the operator's `default_max_tokens`
-(`cedlm serve --default-max-tokens`), within the context left.
+(`cedlm serve --default-max-tokens`), within the context left; one without `temperature`,
+`top_p`, `top_k`, `min_p` or `repetition_penalty` gets the model's `sampling_defaults` (its
+generation_config.json: `sampling_defaults.py`), else the neutral value.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from cedlm.server.compile_queue import ClientGone, CompileBusy
 from cedlm.server.constrain import GrammarError, Grammars, MinPProcessor, MinTokensProcessor
 from cedlm.server.errors import APIError, model_not_found
 from cedlm.server.metrics import Metrics
+from cedlm.server.sampling_defaults import NEUTRAL
 from cedlm.server.worker import EngineWorker
 from cedlm.text.chat import THINK_END
 
@@ -61,9 +64,11 @@ def engine_fields() -> set[str]:
 
 class ServerState:
     def __init__(self, engine, tokenizer, aliases: AliasTable, worker: EngineWorker, metrics: Metrics,
-                 max_prompt_tokens: int | None = None, default_max_tokens: int | None = DEFAULT_MAX_TOKENS):
+                 max_prompt_tokens: int | None = None, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                 sampling_defaults: dict | None = None):
         self.tok, self.aliases, self.worker, self.metrics = tokenizer, aliases, worker, metrics
         self.default_max_tokens = default_max_tokens
+        self.sampling_defaults = {**NEUTRAL, **(sampling_defaults or {})}
         model_cfg = getattr(getattr(engine, "model", None), "cfg", None)
         self.vocab_size = int(getattr(model_cfg, "vocab_size", 0) or (tokenizer.vocab_size if tokenizer else 0))
         self.grammars = Grammars(tokenizer, self.vocab_size) if tokenizer is not None else None
@@ -151,6 +156,11 @@ class ServerState:
             raise APIError(400, f"{param}: the client went away while its constraint waited to compile",
                            param=param, code="client_disconnected") from None
 
+    def sampling(self, body, name: str):
+        """The request's value of a sampling field, else the model's default for it."""
+        v = getattr(body, name, None)
+        return self.sampling_defaults[name] if v is None else v
+
     def max_tokens_for(self, max_tokens: int | None, n_prompt: int) -> int:
         left = max(1, min(self.max_model_len, self.pool_tokens) - n_prompt)
         if max_tokens is not None:
@@ -164,19 +174,20 @@ class ServerState:
         i gets seed + i). The grammar processor is built here, fresh for each prompt."""
         fields = engine_fields()
         self.check_samples(body)
-        temperature = 1.0 if body.temperature is None else body.temperature
+        temperature = self.sampling(body, "temperature")
         kw: dict[str, Any] = dict(
             max_tokens=self.max_tokens_for(max_tokens, len(prompt_ids)),
             temperature=temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k is None else body.top_k,
+            top_p=self.sampling(body, "top_p"),
+            top_k=self.sampling(body, "top_k"),
             seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=body.include_stop_str_in_output, cache_salt=body.cache_salt,
             skip_special_tokens=body.skip_special_tokens)
         native = {"n": (body.n, 1), "best_of": (body.best_of, None),
                   "presence_penalty": (body.presence_penalty, 0.0), "frequency_penalty": (body.frequency_penalty, 0.0),
-                  "repetition_penalty": (body.repetition_penalty, 1.0), "logit_bias": (body.logit_bias or None, None),
+                  "repetition_penalty": (self.sampling(body, "repetition_penalty"), 1.0),
+                  "logit_bias": (body.logit_bias or None, None),
                   "allowed_token_ids": (body.allowed_token_ids, None), "prompt_logprobs": (prompt_logprobs, None)}
         for name, (v, neutral) in native.items():
             if v is None or v == neutral:
@@ -204,8 +215,9 @@ class ServerState:
             eos = [self.tok.eos_id] if self.tok is not None and not body.ignore_eos else []
             procs.append(MinTokensProcessor(body.min_tokens, eos + list(body.stop_token_ids or [])))
             hooked.append("min_tokens")
-        if body.min_p:
-            procs.append(MinPProcessor(body.min_p, temperature))
+        min_p = self.sampling(body, "min_p")
+        if min_p:
+            procs.append(MinPProcessor(min_p, temperature))
             hooked.append("min_p")
         if procs:
             if "logits_processors" not in fields:
