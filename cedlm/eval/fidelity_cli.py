@@ -15,7 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from cedlm.data.retrieval import KINDS
+from cedlm.data.retrieval import ALL_KINDS, KINDS
 
 QUICK = dict(model="tiny", lengths=[128], samples=1, retrieval={128: 1}, tail=32)
 
@@ -48,9 +48,9 @@ def _counts(s: str) -> dict[int, int]:
 def _kinds(s: str) -> tuple[str, ...]:
     """'passkey,kv' -> ('passkey', 'kv'): the retrieval item kinds, cycled through per length."""
     v = tuple(k.strip() for k in s.split(",") if k.strip())
-    bad = [k for k in v if k not in KINDS]
+    bad = [k for k in v if k not in ALL_KINDS]
     if not v or bad:
-        raise argparse.ArgumentTypeError(f"retrieval kinds must be among {','.join(KINDS)}: {s!r}")
+        raise argparse.ArgumentTypeError(f"retrieval kinds must be among {','.join(ALL_KINDS)}: {s!r}")
     return v
 
 
@@ -185,7 +185,8 @@ def _common(q: argparse.ArgumentParser) -> None:
     q.add_argument("--retrieval-samples", type=_counts, metavar="L:N,...",
                    help="retrieval items per context length, e.g. 1024:4,4096:2,16384:1")
     q.add_argument("--retrieval-kinds", type=_kinds, default=KINDS, metavar="KIND,...",
-                   help=f"retrieval item kinds, cycled through (default {','.join(KINDS)})")
+                   help=f"retrieval item kinds, cycled through (default {','.join(KINDS)}; "
+                        "varied: the held-out half of the varied items' wordings, words and names)")
     q.add_argument("--tail", type=int, help="scored tokens at the end of each text sample (default 128)")
     q.add_argument("--threads", type=int, help="torch threads")
     q.add_argument("--device", default=None, help="auto (default: CUDA when available, else the CPU), "

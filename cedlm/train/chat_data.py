@@ -16,7 +16,17 @@ recovered from the manifest, whose per-source document counts are in file order)
 - `explain`: what a standard-library function does, from the first sentence of its docstring
   (the docstring is removed from the code shown);
 - `smalltalk`: greetings, identity, thanks, what it can do;
+- `novel`: which Austen novel, or which chapter of Moby-Dick, a passage is from (the title
+  tracked through the source's documents in file order);
+- `fact`: questions answered from the corpus without a quote: who wrote a novel, what a chapter
+  of Moby-Dick is called, what a standard-library function does (named, no code shown), what a
+  section of the Python documentation says (its first sentence);
+- `names`: which people and places a passage names (its capitalised names, in order): an answer
+  read from the prompt;
 - multi-turn conversations chaining two or three of the above.
+
+`DEFAULT_WEIGHTS` (and so the held-out set of `heldout_examples`) draws the first five tasks;
+a mixture's `chat_tasks` weighs all of them.
 
 Answers are one short sentence, so a reply ends in a few dozen tokens. Everything is drawn from one
 seeded `random.Random`: the same corpus, seed and count give the same examples.
@@ -43,7 +53,7 @@ SOURCE_NAMES = {
     "sotu": ("a State of the Union address", "State of the Union"),
     "moby": ("Moby-Dick by Herman Melville", "Moby-Dick"),
 }
-TASKS = ("source", "bible_book", "continue", "explain", "smalltalk")
+TASKS = ("source", "bible_book", "continue", "explain", "smalltalk", "novel", "fact", "names")
 DEFAULT_WEIGHTS = {"source": 0.3, "bible_book": 0.1, "continue": 0.25, "explain": 0.15, "smalltalk": 0.2}
 
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are cedlm, a small language model. Answer briefly.",
@@ -81,7 +91,36 @@ SMALLTALK = [
 ]
 THINKING = {"source": "The user asks where a quote comes from.", "bible_book": "A verse; which book?",
             "continue": "The user wants the next sentence.", "explain": "Summarise the docstring.",
-            "smalltalk": "A short social message."}
+            "smalltalk": "A short social message.", "novel": "Which novel or chapter is this passage from?",
+            "fact": "A question about the texts I know.", "names": "List the names in the passage."}
+
+AUSTEN_TITLES = {"EMMA": "Emma", "MANSFIELD PARK": "Mansfield Park", "PERSUASION": "Persuasion",
+                 "PRIDE AND PREJUDICE": "Pride and Prejudice", "NORTHANGER ABBEY": "Northanger Abbey",
+                 "SENSE AND SENSIBILITY": "Sense and Sensibility"}
+NOVEL_QUESTIONS = ["Which Jane Austen novel is this passage from?\n\n{q}",
+                   "Which novel is this from?\n\n\"{q}\"",
+                   "{q}\n\nWhich book is this passage from?",
+                   "Name the novel this comes from: {q}"]
+MOBY_QUESTIONS = ["Which chapter of Moby-Dick is this from?\n\n{q}",
+                  "{q}\n\nWhere in Moby-Dick is this passage?",
+                  "In which chapter of Moby-Dick does this appear?\n\n\"{q}\""]
+AUTHOR_QUESTIONS = ["Who wrote {t}?", "Who is the author of {t}?", "Who wrote the novel {t}?",
+                    "{t} was written by whom?"]
+CHAPTER_QUESTIONS = ["What is chapter {n} of Moby-Dick called?", "What is the title of chapter {n} of Moby-Dick?",
+                     "Name chapter {n} of Moby-Dick."]
+FUNCTION_QUESTIONS = ["What does the Python function `{name}` do?", "What is `{name}` for?",
+                      "Explain the function `{name}` from the Python standard library.",
+                      "What does `{name}()` do?"]
+SECTION_QUESTIONS = ["What does the Python documentation say about \"{t}\"?",
+                     "Summarise the Python documentation section \"{t}\".",
+                     "In the Python docs, what is \"{t}\" about?"]
+NAMES_QUESTIONS = ["Who or what is named in this passage?\n\n{q}", "{q}\n\nWhich names appear in this text?",
+                   "List the names in this passage:\n\n\"{q}\""]
+_NAME_STOP = {"I", "The", "A", "An", "And", "But", "It", "He", "She", "They", "We", "You", "His", "Her",
+              "This", "That", "In", "Of", "O", "Lord", "God", "LORD", "Sir", "My", "Oh", "Yes", "No"}
+_NAME = re.compile(r"\b((?:Mr|Mrs|Miss|Dr|Captain|Lady|Sir|Colonel)\.? [A-Z][a-z]+|[A-Z][a-z]{2,})\b")
+_MOBY_HEAD = re.compile(r"^CHAPTER (\d+)\. (.+?)\.?\n")
+_RST_TITLE = re.compile(r"(?:^|\n)([A-Za-z][^\n]{3,60})\n([=*\-~^]{4,})\n\n(.+?)(?:\n\n|$)", re.S)
 
 _SENT = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
 _DEF = re.compile(r'^([ \t]*)def (\w+)\(([^)]*)\)(?:[ \t]*->[^:\n]+)?:\n\1[ \t]+[ru]?"""(.*?)"""[ \t]*\n'
@@ -222,8 +261,114 @@ def task_smalltalk(rng, docs_by_source) -> list[dict]:
     return [{"role": "user", "content": rng.choice(asks)}, {"role": "assistant", "content": rng.choice(answers)}]
 
 
+def _titled(docs_by_source, source: str) -> list[tuple[str, str]]:
+    """[(title, document)] of a source whose documents carry their work's title at its first
+    chunk (Austen: the novel; Moby-Dick: "chapter N, Title"), the title carried over the chunks
+    that follow in file order; documents before any title are left out. Cached per list."""
+    docs = docs_by_source.get(source) or []
+    key = (source, id(docs))
+    if key in _TITLED:
+        return _TITLED[key]
+    out, title = [], None
+    for d in docs:
+        if source == "austen":
+            head = d[:40].split("\n", 1)[0].strip().upper()
+            title = AUSTEN_TITLES.get(head, title)
+        else:
+            m = _MOBY_HEAD.match(d)
+            title = f"chapter {m.group(1)}, \"{m.group(2)}\"" if m else title
+        if title:
+            out.append((title, d))
+    _TITLED[key] = out
+    return out
+
+
+_TITLED: dict = {}
+
+
+def task_novel(rng, docs_by_source) -> list[dict] | None:
+    source = rng.choice([s for s in ("austen", "moby") if s in docs_by_source] or ["austen"])
+    titled = _titled(docs_by_source, source)
+    if not titled:
+        return None
+    title, doc = rng.choice(titled)
+    q = _quote(rng, source, doc)
+    if q is None:
+        return None
+    if source == "austen":
+        return [{"role": "user", "content": rng.choice(NOVEL_QUESTIONS).format(q=q)},
+                {"role": "assistant", "content": f"It is from {title}, a novel by Jane Austen.", "_source": source}]
+    return [{"role": "user", "content": rng.choice(MOBY_QUESTIONS).format(q=q)},
+            {"role": "assistant", "content": f"It is from {title} of Moby-Dick.", "_source": source}]
+
+
+def task_fact(rng, docs_by_source) -> list[dict] | None:
+    kind = rng.choice(("author", "chapter", "function", "function", "section", "section"))
+    if kind == "author":
+        t = rng.choice(sorted(AUSTEN_TITLES.values()) + ["Moby-Dick"])
+        who = "Herman Melville" if t == "Moby-Dick" else "Jane Austen"
+        return [{"role": "user", "content": rng.choice(AUTHOR_QUESTIONS).format(t=t)},
+                {"role": "assistant", "content": f"{t} was written by {who}."}]
+    if kind == "chapter":
+        docs = docs_by_source.get("moby") or []
+        heads = [m for m in (_MOBY_HEAD.match(d) for d in docs) if m]
+        if not heads:
+            return None
+        m = rng.choice(heads)
+        return [{"role": "user", "content": rng.choice(CHAPTER_QUESTIONS).format(n=m.group(1))},
+                {"role": "assistant", "content": f"Chapter {m.group(1)} of Moby-Dick is called \"{m.group(2)}\"."}]
+    if kind == "function":
+        docs = docs_by_source.get("pystdlib")
+        fns = functions(rng.choice(docs)) if docs else []
+        fns = [f for f in fns if not f[0].startswith("_")]
+        if not fns:
+            return None
+        name, _, what = rng.choice(fns)
+        what = what[0].lower() + what[1:] if what[:1].isupper() and not what[1:2].isupper() else what
+        return [{"role": "user", "content": rng.choice(FUNCTION_QUESTIONS).format(name=name)},
+                {"role": "assistant", "content": f"`{name}`: {what}"}]
+    docs = docs_by_source.get("pydoc")
+    if not docs:
+        return None
+    secs = [(t.strip(), body) for t, _, body in _RST_TITLE.findall(rng.choice(docs))
+            if not body.lstrip().startswith((".. ", "::", "*", "=", "-")) and "`" not in t]
+    if not secs:
+        return None
+    t, body = rng.choice(secs)
+    first = sentences(body)
+    if not first or not 20 <= len(first[0]) <= 200:
+        return None
+    return [{"role": "user", "content": rng.choice(SECTION_QUESTIONS).format(t=t)},
+            {"role": "assistant", "content": first[0]}]
+
+
+def task_names(rng, docs_by_source) -> list[dict] | None:
+    source = rng.choice([s for s in ("austen", "moby", "kjv", "sotu") if s in docs_by_source] or ["austen"])
+    q = _quote(rng, source, rng.choice(docs_by_source.get(source) or [""]))
+    if q is None:
+        return None
+    found = []
+    for m in _NAME.finditer(q):
+        w = m.group(1)
+        start = m.start(1)
+        if w in _NAME_STOP or w in found or start == 0 or q[:start].rstrip().endswith((".", "!", "?", '"')):
+            continue
+        found.append(w)
+    if not found:                       # a name may open a sentence: no answer rather than a wrong one
+        return None
+    if len(found) == 1:
+        reply = f"It names {found[0]}."
+    else:
+        reply = f"It names {', '.join(found[:-1])} and {found[-1]}."
+    if len(found) > 6:
+        return None
+    return [{"role": "user", "content": rng.choice(NAMES_QUESTIONS).format(q=q)},
+            {"role": "assistant", "content": reply}]
+
+
 TASK_FNS = {"source": task_source, "bible_book": task_bible_book, "continue": task_continue,
-            "explain": task_explain, "smalltalk": task_smalltalk}
+            "explain": task_explain, "smalltalk": task_smalltalk, "novel": task_novel, "fact": task_fact,
+            "names": task_names}
 
 
 # ----------------------------------------------------------------------------- examples

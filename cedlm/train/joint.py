@@ -89,7 +89,8 @@ class JointData:
             from cedlm.train.chat_data import build_examples, corpus_documents
             if chat_examples < 1:
                 raise ValueError("chat_examples: must be >= 1 when the mixture has chat rows")
-            examples = build_examples(corpus_documents(data_dir, "train"), tokenizer, chat_examples, seed)
+            examples = build_examples(corpus_documents(data_dir, "train"), tokenizer, chat_examples, seed,
+                                      weights=self.cfg.chat_tasks)
         self.source = MixtureBatches(self.cfg, tokens, tokenizer, window, examples)
 
     def seq_len(self, step: int) -> int:
@@ -175,8 +176,8 @@ def joint_loss(model, x, y, mask, answer, kinds, kl_weight: float, dense: bool, 
 @torch.no_grad()
 def retrieval_eval(model, joint: JointData, val_tokens, seq_len: int, n: int, device) -> dict:
     """Held-out retrieval at `seq_len`: `n` fixed rows of the mixture's retrieval kind built on
-    the validation tokens (one passkey or key-value item, its query at least `min_gap` tokens
-    after its record), run as the model serves (eval mode: sparse selection). -> {"val_retrieval_acc":
+    the validation tokens (one passkey, key-value or held-out `varied` item, its query at least
+    `min_gap` tokens after its record), run as the model serves (eval mode: sparse selection). -> {"val_retrieval_acc":
     answer tokens predicted right (greedy, teacher-forced), "val_retrieval_exact": rows whose every
     answer token is right, "val_retrieval_len"}; {} when an item does not fit at this length."""
     src = joint.source
@@ -184,6 +185,7 @@ def retrieval_eval(model, joint: JointData, val_tokens, seq_len: int, n: int, de
         return {}
     held = MixtureBatches(replace(src.cfg, weights={"retrieval": 1.0}, curriculum=((0, seq_len),)),
                           val_tokens, src.tok, src.window)
+    held.retrieval_split = "heldout"       # `varied` items: wordings, words and names training never drew
     was = model.training
     model.eval()
     right = total = exact = 0

@@ -38,12 +38,14 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from cedlm.data.retrieval import ALL_KINDS as RETRIEVAL_KINDS_ALL
 from cedlm.data.retrieval import KINDS as RETRIEVAL_KINDS
 from cedlm.data.retrieval import repeat_sequence, training_sequence
 
 KINDS = ("corpus", "chat", "retrieval", "repeat")
 MIN_SEQ_LEN = 64
 RETRIEVAL_LOSS = ("all", "answer")
+VARIED_ROOM = 200          # tokens a `varied` item may take besides its gap
 
 
 def _default_weights() -> dict[str, float]:
@@ -64,7 +66,12 @@ class MixtureConfig:
         1 for every other target; the loss is the weighted mean. Retrieval's signal is a handful of
         tokens per row: > 1 strengthens it without more rows (the passkey experiment used 5).
     retrieval_kinds: the kinds of retrieval item drawn, with equal odds ("passkey": one record, its
-        query and a 5-digit answer; "kv": key-value records with a distractor, lookup by key).
+        query and a 5-digit answer; "kv": key-value records with a distractor, lookup by key;
+        "varied": numbers, words, names or codes under varied keys and wordings with 0-2
+        distractor records, from the training half of `cedlm.data.retrieval`'s lists; the
+        held-out check of `cedlm.train.joint.retrieval_eval` draws from the held-out half).
+    chat_tasks: the chat tasks' weights (`cedlm.train.chat_data.TASKS` -> weight) of the
+        conversations packed into chat rows; None: `chat_data.DEFAULT_WEIGHTS`.
     seed: with the step, it fixes every batch.
     """
     weights: dict = field(default_factory=_default_weights)
@@ -73,6 +80,7 @@ class MixtureConfig:
     retrieval_loss: str = "all"
     answer_weight: float = 1.0
     retrieval_kinds: tuple = RETRIEVAL_KINDS
+    chat_tasks: dict | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -115,9 +123,21 @@ class MixtureConfig:
             raise ValueError(f"answer_weight: must be a finite number > 0, got {w!r}")
         rk = self.retrieval_kinds
         if (isinstance(rk, str) or not isinstance(rk, (list, tuple)) or not rk
-                or any(k not in RETRIEVAL_KINDS for k in rk) or len(set(rk)) != len(rk)):
+                or any(k not in RETRIEVAL_KINDS_ALL for k in rk) or len(set(rk)) != len(rk)):
             raise ValueError(f"retrieval_kinds: must be a non-empty list of distinct kinds of "
-                             f"{RETRIEVAL_KINDS}, got {rk!r}")
+                             f"{RETRIEVAL_KINDS_ALL}, got {rk!r}")
+        ct = self.chat_tasks
+        if ct is not None:
+            from cedlm.train.chat_data import TASKS as CHAT_TASKS
+            if not isinstance(ct, dict) or not ct:
+                raise ValueError(f"chat_tasks: must be a non-empty dict of {CHAT_TASKS}, got {ct!r}")
+            for k, w in ct.items():
+                if k not in CHAT_TASKS:
+                    raise ValueError(f"chat_tasks: unknown task {k!r}; known: {', '.join(CHAT_TASKS)}")
+                if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+                    raise ValueError(f"chat_tasks.{k}: must be a finite number >= 0, got {w!r}")
+            if sum(ct.values()) <= 0:
+                raise ValueError("chat_tasks: all weights are 0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed: must be an int >= 0, got {self.seed!r}")
 
@@ -133,6 +153,8 @@ class MixtureConfig:
         d = asdict(self)
         d["curriculum"] = [list(s) for s in self.curriculum]
         d["retrieval_kinds"] = list(self.retrieval_kinds)
+        if d["chat_tasks"] is None:
+            del d["chat_tasks"]            # the files written before the field read the same
         return d
 
     @classmethod
@@ -197,6 +219,7 @@ class MixtureBatches:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window: must be the model's sliding window (an int >= 1), got {window!r}")
         self.cfg, self.tokens, self.tok, self.window = cfg, tokens, tokenizer, window
+        self.retrieval_split = "train"      # the half of the `varied` lists drawn (held-out checks: "heldout")
         self.min_gap = int(math.ceil(cfg.min_gap_windows * window))
         need = cfg.max_seq_len + 2
         if len(tokens) < need:
@@ -212,6 +235,8 @@ class MixtureBatches:
         sample = (" The value of key 4821 is 93716. " * 2
                   + " What is the value of key 4821? The value of key 4821 is 93716")
         self.retrieval_room = 2 * len(tokenizer.encode(sample))
+        if "varied" in cfg.retrieval_kinds:     # up to 3 records of the longest wordings (~170 tokens)
+            self.retrieval_room = max(self.retrieval_room, VARIED_ROOM)
         if cfg.weight("retrieval") > 0 and not self.retrieval_fits(cfg.max_seq_len):
             raise ValueError(f"min_gap_windows: a gap of {self.min_gap} tokens ({cfg.min_gap_windows} x window "
                              f"{window}) leaves no curriculum stage room for a retrieval item "
@@ -277,7 +302,7 @@ class MixtureBatches:
 
     def retrieval_row(self, rng, L: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ids, ans = training_sequence(rng, self.tokens, self.tok, L - 1, 1, self.min_gap,
-                                     self.cfg.retrieval_kinds)
+                                     self.cfg.retrieval_kinds, self.retrieval_split)
         loss = ans.copy() if self.cfg.retrieval_loss == "answer" else np.ones(L, dtype=bool)
         return ids, loss, ans
 
