@@ -407,7 +407,7 @@ def test_tokenization_does_not_block_the_event_loop(limits_app):
 @pytest.mark.parametrize("body,what", [
     ({"stop": [f"s{i}" for i in range(MAX_STOP + 1)]}, "at most"),
     ({"stop": "x" * (MAX_STOP_CHARS + 1)}, "characters"),
-    ({"stop": [""]}, "empty"),
+    ({"stop": [""]}, "at least 1 character"),
     ({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, "stop_token_ids"),
 ])
 def test_stop_limits_are_400(limits_app, body, what):

@@ -38,10 +38,12 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from cedlm.engine.sampling_params import SamplingParams
 from cedlm.server.errors import APIError
 from cedlm.server.images import chat_images, expanded_len, run_image_work
 from cedlm.server.protocol import (
@@ -159,10 +161,26 @@ def best(outs: list[Output], n: int) -> list[Output]:
     return sorted(outs, key=lambda o: -o.cumulative_logprob)[:n]
 
 
-@router.post("/v1/chat/completions")
-async def chat(body: ChatCompletionRequest, raw: Request):
-    srv: ServerState = raw.app.state.server
-    resolved = srv.resolve(body.model)
+# --------------------------------------------------------------------------- request -> parameters
+
+
+@dataclass
+class ChatJob:
+    """What a chat request runs: its prompt, images, mode and sampling parameters."""
+    prompt_ids: list[int]
+    n_prompt: int                 # the prompt length the engine sees (image placeholders expanded)
+    images: list
+    thinking: bool
+    effort: int | None
+    params: SamplingParams
+    forced: bool                  # tool_choice "required" or a named function: the output is the calls
+    auto: bool                    # tools with tool_choice "auto": calls parsed from the DSML block
+    parallel: bool
+
+
+async def chat_job(srv: ServerState, body: ChatCompletionRequest) -> ChatJob:
+    """Encode the prompt (off the event loop), compile the output constraint, and build the
+    sampling parameters; a 400 naming the field for what cannot run."""
     if srv.tok is None:
         raise APIError(400, "messages: this model has no tokenizer; use /v1/completions with "
                             "token ids", param="messages")
@@ -177,110 +195,115 @@ async def chat(body: ChatCompletionRequest, raw: Request):
 
     parallel = body.parallel_tool_calls is not False
     forced = body.forced_tools()
-    auto = bool(body.tools) and body.tool_choice in (None, "auto")
-    if forced:
-        gparam = "tool_choice"
-        grammar = await srv.grammar((gparam, "json_schema", forced_schema(body.tools, body.tool_choice, parallel)))
-    else:
-        guided = body.guided()
-        gparam = guided[0] if guided else "response_format"
-        grammar = await srv.grammar(guided)
-    gate = srv.think_end_id if thinking else None
+    guided = (("tool_choice", "json_schema", forced_schema(body.tools, body.tool_choice, parallel)) if forced
+              else body.guided())
+    grammar = await srv.grammar(guided)
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = await srv.tokenize(lambda: srv.params(    # builds the grammar matcher: off the loop
-        body, ids, body.max_completion_tokens or body.max_tokens, top, grammar=grammar, grammar_param=gparam,
-        gate=gate))
-    group = Group(srv.worker, srv.metrics, raw, "chatcmpl", [(prompt_ids, params)], images=images)
-    headers = srv.headers(resolved, {EFFORT_HEADER: str(effort) if thinking else "none"})
-    if not await group.admit():
-        return Response(status_code=499)
-    rid, created = group.rid, int(time.time())
+        body, ids, body.max_completion_tokens or body.max_tokens, top, grammar=grammar,
+        grammar_param=guided[0] if guided else "response_format", gate=srv.think_end_id if thinking else None))
+    return ChatJob(prompt_ids, len(ids), images, thinking, effort, params, forced,
+                   auto=bool(body.tools) and body.tool_choice in (None, "auto"), parallel=parallel)
 
-    def usage(outs_ids: list[list[int]]) -> Usage:
-        n_out = sum(len(o) for o in outs_ids)
-        return Usage(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=group.cached()),
+
+# --------------------------------------------------------------------------- the response
+
+
+class ChoiceStream:
+    """One streamed choice: its reasoning / content split and its tool calls (parsed from the
+    DSML block, or the forced JSON)."""
+
+    def __init__(self, job: ChatJob, tool_choice):
+        self.split = ReasoningSplitter(job.thinking)
+        self.dsml = DSMLStream(job.parallel) if job.auto else None
+        self.forced = ForcedStream(tool_choice, job.parallel) if job.forced else None
+        self.out_ids, self.n_calls = [], 0
+
+    def content(self, dc: str, final: bool) -> tuple[str, list[dict]]:
+        if self.forced is not None:          # the JSON is the calls, not content
+            return "", self.forced.feed(dc)
+        if self.dsml is not None:
+            return self.dsml.feed(dc, final=final)
+        return dc, []
+
+    def tool_deltas(self, calls: list[dict]) -> list[dict]:
+        out = []
+        for c in with_ids(calls):
+            out.append({"index": self.n_calls, **c})
+            self.n_calls += 1
+        return out
+
+
+class ChatFormatter:
+    """The response of one admitted chat request: the JSON response (`response`), or the stream's
+    chunks (`first`, `event` for each engine event, `last`)."""
+
+    def __init__(self, srv: ServerState, body: ChatCompletionRequest, job: ChatJob, group: Group, resolved):
+        self.srv, self.body, self.job, self.group = srv, body, job, group
+        self.rid, self.created, self.model, self.warning = group.rid, int(time.time()), resolved.requested, \
+            resolved.warning
+        self.continuous = bool(body.stream_options and body.stream_options.continuous)   # usage on every chunk
+        self.seqs = [ChoiceStream(job, body.tool_choice) for _ in group.events]
+
+    def usage(self, outs_ids: list[list[int]]) -> Usage:
+        n_in, n_out = self.job.n_prompt, sum(len(o) for o in outs_ids)
+        return Usage(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.group.cached()),
                      completion_tokens_details=CompletionTokensDetails(
-                         reasoning_tokens=sum(reasoning_tokens(srv, o, thinking) for o in outs_ids)))
+                         reasoning_tokens=sum(reasoning_tokens(self.srv, o, self.job.thinking) for o in outs_ids)))
 
-    def calls_of(content: str, reason: str | None) -> tuple[str | None, list[dict], str | None]:
+    def calls_of(self, content: str, reason: str | None) -> tuple[str | None, list[dict], str | None]:
         """(content left, tool calls, refusal) of a finished choice's content. A forced call is
         never content: cut by max_tokens, it comes back with its arguments as far as generated,
         and a refusal saying so (tools.py: ForcedStream.cut, cut_refusal)."""
-        if forced:
-            stream = ForcedStream(body.tool_choice, parallel)
+        if self.job.forced:
+            stream = ForcedStream(self.body.tool_choice, self.job.parallel)
             calls = stream.feed(content)
             if reason != "length":
                 return None, calls, None
             cut = stream.cut()
             return None, calls + cut, cut_refusal(stream, cut)
-        if auto:
+        if self.job.auto:
             rest, calls = parse_tool_calls(content)
-            return rest, (calls if parallel else calls[:1]), None
+            return rest, (calls if self.job.parallel else calls[:1]), None
         return content, [], None
 
-    if not body.stream:
-        outs = await group.collect(bool(body.top_logprobs))
-        if outs is None:
-            return Response(status_code=499)
-        choices = []
-        for i, out in enumerate(best(outs, body.n)):
+    def response(self, outs: list[Output]) -> ChatCompletionResponse:
+        thinking, choices = self.job.thinking, []
+        for i, out in enumerate(best(outs, self.body.n)):
             reason = out.finish_reason
             reasoning, content = parse_assistant(out.text, thinking=True) if thinking else ("", out.text)
-            content, calls, refusal = calls_of(content, reason)
+            content, calls, refusal = self.calls_of(content, reason)
             if calls and reason == "stop":
                 reason = "tool_calls"
             msg = AssistantMessage(content=content, reasoning_content=reasoning if thinking else None,
                                    tool_calls=with_ids(calls) if calls else None, refusal=refusal)
-            lp = (ChoiceLogprobs(content=chat_logprobs(srv, out.token_ids, out.logprobs, out.top_logprobs))
-                  if body.logprobs else None)
+            lp = (ChoiceLogprobs(content=chat_logprobs(self.srv, out.token_ids, out.logprobs, out.top_logprobs))
+                  if self.body.logprobs else None)
             choices.append(ChatChoice(index=i, message=msg, logprobs=lp, finish_reason=reason))
-        resp = ChatCompletionResponse(id=rid, created=created, model=resolved.requested, choices=choices,
-                                      usage=usage([o.token_ids for o in outs]), warning=resolved.warning)
-        return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
+        return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
+                                      usage=self.usage([o.token_ids for o in outs]), warning=self.warning)
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    continuous = bool(body.stream_options and body.stream_options.continuous)   # usage on every chunk
-
-    class Choice:
-        def __init__(self):
-            self.split = ReasoningSplitter(thinking)
-            self.dsml = DSMLStream(parallel) if auto else None
-            self.forced = ForcedStream(body.tool_choice, parallel) if forced else None
-            self.out_ids, self.n_calls = [], 0
-
-        def content(self, dc: str, final: bool) -> tuple[str, list[dict]]:
-            if self.forced is not None:          # the JSON is the calls, not content
-                return "", self.forced.feed(dc)
-            if self.dsml is not None:
-                return self.dsml.feed(dc, final=final)
-            return dc, []
-
-        def tool_deltas(self, calls: list[dict]) -> list[dict]:
-            out = []
-            for c in with_ids(calls):
-                out.append({"index": self.n_calls, **c})
-                self.n_calls += 1
-            return out
-
-    seqs = [Choice() for _ in group.events]
-
-    def chunk(k: int, delta: DeltaMessage, finish=None, logprobs=None, **kw) -> str:
-        if continuous:                          # the usage so far (all choices), as vLLM sends it
-            kw["usage"] = usage([s.out_ids for s in seqs])
-        return sse(ChatCompletionChunk(id=rid, created=created, model=resolved.requested,
+    def chunk(self, k: int, delta: DeltaMessage, finish=None, logprobs=None, **kw) -> str:
+        if self.continuous:                      # the usage so far (all choices), as vLLM sends it
+            kw["usage"] = self.usage([s.out_ids for s in self.seqs])
+        return sse(ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
                                        choices=[ChatChunkChoice(index=k, delta=delta, logprobs=logprobs,
                                                                 finish_reason=finish)], **kw))
 
-    def fmt(k: int, ev: Delta | Finished):
-        st = seqs[k]
+    def first(self) -> str:
+        return "".join(self.chunk(k, DeltaMessage(role="assistant", content=""),
+                                  warning=self.warning if k == 0 else None) for k in range(len(self.seqs)))
+
+    def event(self, k: int, ev: Delta | Finished):
+        st = self.seqs[k]
         final = isinstance(ev, Finished)
         lp = None
         if not final:
             st.out_ids.extend(ev.token_ids)
             dr, dc = st.split.feed(ev.text)
-            if body.logprobs:
-                lp = ChoiceLogprobs(content=chat_logprobs(srv, ev.token_ids, ev.logprobs, ev.top_logprobs))
+            if self.body.logprobs:
+                lp = ChoiceLogprobs(content=chat_logprobs(self.srv, ev.token_ids, ev.logprobs, ev.top_logprobs))
         else:
             dr, dc = st.split.finish()
         dc, calls = st.content(dc, final)
@@ -289,20 +312,37 @@ async def chat(body: ChatCompletionRequest, raw: Request):
             cut = st.forced.cut()
             calls, refusal = calls + cut, cut_refusal(st.forced, cut)
         if dr or dc or lp is not None:
-            yield chunk(k, DeltaMessage(reasoning_content=dr or None, content=dc or None), logprobs=lp)
+            yield self.chunk(k, DeltaMessage(reasoning_content=dr or None, content=dc or None), logprobs=lp)
         if calls:
-            yield chunk(k, DeltaMessage(tool_calls=st.tool_deltas(calls)))
+            yield self.chunk(k, DeltaMessage(tool_calls=st.tool_deltas(calls)))
         if refusal:
-            yield chunk(k, DeltaMessage(refusal=refusal))
+            yield self.chunk(k, DeltaMessage(refusal=refusal))
         if final:
             reason = "tool_calls" if st.n_calls and ev.reason == "stop" else ev.reason
-            yield chunk(k, DeltaMessage(), finish=reason)
+            yield self.chunk(k, DeltaMessage(), finish=reason)
 
-    def last():
-        if include_usage:
-            yield sse(ChatCompletionChunk(id=rid, created=created, model=resolved.requested, choices=[],
-                                          usage=usage([s.out_ids for s in seqs])))
+    def last(self):
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            yield sse(ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[],
+                                          usage=self.usage([s.out_ids for s in self.seqs])))
 
-    first = "".join(chunk(k, DeltaMessage(role="assistant", content=""),
-                          warning=resolved.warning if k == 0 else None) for k in range(len(group.events)))
-    return group.stream(fmt, headers, first=first, last=last)
+
+# --------------------------------------------------------------------------- the route
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, raw: Request):
+    srv: ServerState = raw.app.state.server
+    resolved = srv.resolve(body.model)
+    job = await chat_job(srv, body)
+    group = Group(srv.worker, srv.metrics, raw, "chatcmpl", [(job.prompt_ids, job.params)], images=job.images)
+    headers = srv.headers(resolved, {EFFORT_HEADER: str(job.effort) if job.thinking else "none"})
+    if not await group.admit():
+        return Response(status_code=499)
+    out = ChatFormatter(srv, body, job, group, resolved)
+    if body.stream:
+        return group.stream(out.event, headers, first=out.first(), last=out.last)
+    outs = await group.collect(bool(body.top_logprobs))
+    if outs is None:
+        return Response(status_code=499)
+    return JSONResponse(out.response(outs).model_dump(exclude_none=True), headers=headers)

@@ -23,11 +23,13 @@ logprob returned; not with streaming). `return_tokens_as_token_ids` (vLLM) write
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cedlm.engine.request import TokenLogprob
+from cedlm.engine.sampling_params import SamplingParams
 from cedlm.server.chat import best
 from cedlm.server.errors import APIError, new_request_id
 from cedlm.server.protocol import (
@@ -122,13 +124,23 @@ def vllm_prompt_logprobs(srv: ServerState, ids: list[int], scored, k: int) -> li
     return res
 
 
-# --------------------------------------------------------------------------- the route
+# --------------------------------------------------------------------------- request -> parameters
 
 
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, raw: Request):
-    srv: ServerState = raw.app.state.server
-    resolved = srv.resolve(body.model)
+@dataclass
+class CompletionJob:
+    """What a completions request runs: its prompts' ids and the engine requests (`runs`: one
+    (prompt ids, sampling parameters) per prompt; None when echo alone answers it)."""
+    ids_list: list[list[int]]
+    echo_texts: list[str] | None     # the prompts as echoed text (with echo)
+    score_k: int | None              # top alternatives scored per prompt position (None: no scoring)
+    want: int                        # samples drawn per prompt: max(n, best_of)
+    runs: list[tuple[list[int], SamplingParams]] | None
+
+
+async def completion_job(srv: ServerState, body: CompletionRequest) -> CompletionJob:
+    """Tokenize the prompts (off the event loop), compile the output constraint, and build the
+    sampling parameters; a 400 naming the field for what cannot run."""
     prompts = body.prompts()
     texts = [p for p in prompts if isinstance(p, str)]
     if texts:
@@ -136,8 +148,7 @@ async def completions(body: CompletionRequest, raw: Request):
             raise APIError(400, "prompt: this model has no tokenizer; send token ids", param="prompt")
         for t in texts:
             srv.check_chars(len(t), "prompt")
-    tok = srv.tok
-    bos = body.add_special_tokens
+    tok, bos = srv.tok, body.add_special_tokens
 
     def tokenize_all() -> list[list[int]]:
         return [(([tok.bos_id] if bos else []) + tok.encode_plain(p)) if isinstance(p, str) else [int(t) for t in p]
@@ -145,8 +156,9 @@ async def completions(body: CompletionRequest, raw: Request):
 
     ids_list = await srv.tokenize(tokenize_all) if texts else tokenize_all()
     for ids in ids_list:
-        if not ids:
-            raise APIError(400, "prompt: empty prompt (no tokens)", param="prompt")
+        if not ids:           # (only an empty text, without the BOS: a rule between the two fields)
+            raise APIError(400, "prompt: empty prompt (no tokens; an empty text needs add_special_tokens)",
+                           param="prompt", code="invalid_combination")
         srv.check_len(ids, "prompt")
         bad = next((t for t in ids if not 0 <= t < srv.vocab_size), None)     # before echo decodes them
         if bad is not None:
@@ -158,108 +170,129 @@ async def completions(body: CompletionRequest, raw: Request):
     score_k = body.prompt_logprobs
     if body.echo and body.logprobs is not None:
         score_k = max(score_k or 0, body.logprobs)
-    want, n = max(body.n, body.best_of or 1), body.n
+    want = max(body.n, body.best_of or 1)
     srv.check_capacity(len(prompts) * want, "prompt" if len(prompts) > 1 else "n")
-    as_ids = body.return_tokens_as_token_ids
-    headers = srv.headers(resolved)
-    created = int(time.time())
-
+    job = CompletionJob(ids_list, echo_texts, score_k, want, runs=None)
     if body.max_tokens == 0 and score_k is None:          # echo alone: nothing to run
-        return _echo_only(srv, body, resolved, headers, created, ids_list, echo_texts)
-
-    grammar = None
+        return job
     guided = body.guided()
-    if guided is not None:
-        grammar = await srv.grammar(guided)
-    jobs = await srv.tokenize(lambda: [     # builds the grammar matchers: off the loop
+    grammar = await srv.grammar(guided) if guided is not None else None
+    job.runs = await srv.tokenize(lambda: [     # builds the grammar matchers: off the loop
         (ids, srv.params(body, ids, body.max_tokens, body.logprobs, grammar=grammar,
                          grammar_param=guided[0] if guided else "response_format", prompt_logprobs=score_k))
         for ids in ids_list])
-    group = Group(srv.worker, srv.metrics, raw, "cmpl", jobs)
-    if not await group.admit():
-        return Response(status_code=499)
-    rid = group.rid
+    return job
 
-    def usage(n_out: int) -> Usage:
-        n_prompt = sum(len(ids) for ids in ids_list)
-        cached = sum(group.cached(p) for p in range(len(ids_list)))
+
+# --------------------------------------------------------------------------- the response
+
+
+class CompletionFormatter:
+    """The response of one admitted completions request: the JSON response (`response`), or the
+    stream's chunks (`event` for each engine event, `last`)."""
+
+    def __init__(self, srv: ServerState, body: CompletionRequest, job: CompletionJob, group: Group, resolved,
+                 created: int):
+        self.srv, self.body, self.job, self.group = srv, body, job, group
+        self.rid, self.created, self.model, self.warning = group.rid, created, resolved.requested, resolved.warning
+        self.as_ids = body.return_tokens_as_token_ids
+        self.continuous = bool(body.stream_options and body.stream_options.continuous)   # usage on every chunk
+        n = len(group.events)
+        self.n_out, self.offset, self.started, self.warned = [0] * n, [0] * n, [False] * n, False
+
+    def usage(self, n_out: int) -> Usage:
+        n_prompt = sum(len(ids) for ids in self.job.ids_list)
+        cached = sum(self.group.cached(p) for p in range(len(self.job.ids_list)))
         return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
-    def prompt_part(p: int, out: Output) -> tuple[str, CompletionLogprobs | None, int, list | None]:
+    def prompt_part(self, p: int, out: Output) -> tuple[str, CompletionLogprobs | None, int, list | None]:
         """(echo text, echo logprobs, text offset after it, vLLM prompt_logprobs) of a choice."""
-        ids = ids_list[p]
-        scored = scored_prompt(out, ids) if score_k is not None else None
-        plp = vllm_prompt_logprobs(srv, ids, scored, body.prompt_logprobs) if body.prompt_logprobs is not None else None
+        body, ids = self.body, self.job.ids_list[p]
+        scored = scored_prompt(out, ids) if self.job.score_k is not None else None
+        plp = vllm_prompt_logprobs(self.srv, ids, scored, body.prompt_logprobs) \
+            if body.prompt_logprobs is not None else None
         if not body.echo:
             return "", None, 0, plp
         lp = None
         if body.logprobs is not None:
-            lp, _ = echo_logprobs(srv, ids, scored, body.logprobs, as_ids)
-        return echo_texts[p], lp, len(echo_texts[p]), plp
+            lp, _ = echo_logprobs(self.srv, ids, scored, body.logprobs, self.as_ids)
+        return self.job.echo_texts[p], lp, len(self.job.echo_texts[p]), plp
 
-    if not body.stream:
-        outs = await group.collect(bool(body.logprobs))
-        if outs is None:
-            return Response(status_code=499)
-        choices = []
-        for p in range(len(ids_list)):
+    def response(self, outs: list[Output]) -> CompletionResponse:
+        body, want, n, choices = self.body, self.job.want, self.body.n, []
+        for p in range(len(self.job.ids_list)):
             for j, out in enumerate(best(outs[p * want:(p + 1) * want], n)):
-                pre, lp, offset, plp = prompt_part(p, out)
+                pre, lp, offset, plp = self.prompt_part(p, out)
                 if body.logprobs is not None:
-                    lp = completion_logprobs(srv, out.token_ids, out.logprobs, out.top_logprobs, offset, as_ids,
-                                             into=lp)
+                    lp = completion_logprobs(self.srv, out.token_ids, out.logprobs, out.top_logprobs, offset,
+                                             self.as_ids, into=lp)
                 choices.append(CompletionChoice(index=p * n + j, text=pre + out.text, logprobs=lp,
                                                 finish_reason=out.finish_reason, prompt_logprobs=plp))
-        resp = CompletionResponse(id=rid, created=created, model=resolved.requested, choices=choices,
-                                  usage=usage(sum(len(o.token_ids) for o in outs)), warning=resolved.warning)
-        return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
+                                  usage=self.usage(sum(len(o.token_ids) for o in outs)), warning=self.warning)
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    continuous = bool(body.stream_options and body.stream_options.continuous)   # usage on every chunk
-    n_out = [0] * len(group.events)
-    offset = [0] * len(group.events)
-    started = [False] * len(group.events)
-    warned = [False]
-
-    def chunk(k: int, text: str, finish=None, logprobs=None, plp=None) -> str:
+    def chunk(self, k: int, text: str, finish=None, logprobs=None, plp=None) -> str:
         w = None
-        if not warned[0]:
-            w, warned[0] = resolved.warning, True
-        return sse(CompletionResponse(id=rid, created=created, model=resolved.requested, warning=w,
+        if not self.warned:
+            w, self.warned = self.warning, True
+        return sse(CompletionResponse(id=self.rid, created=self.created, model=self.model, warning=w,
                                       choices=[CompletionChoice(index=k, text=text, logprobs=logprobs,
                                                                 finish_reason=finish, prompt_logprobs=plp)],
-                                      usage=usage(sum(n_out)) if continuous else None))
+                                      usage=self.usage(sum(self.n_out)) if self.continuous else None))
 
-    def fmt(k: int, ev: Delta | Finished):
-        p = k // want
-        if not started[k]:
-            started[k] = True
+    def event(self, k: int, ev: Delta | Finished):
+        body = self.body
+        if not self.started[k]:
+            self.started[k] = True
             if body.echo or body.prompt_logprobs is not None:
-                pre, lp, offset[k], plp = prompt_part(p, Output(prompt_logprobs=ev.prompt_logprobs))
-                yield chunk(k, pre, logprobs=lp, plp=plp)
+                pre, lp, self.offset[k], plp = self.prompt_part(k // self.job.want,
+                                                                Output(prompt_logprobs=ev.prompt_logprobs))
+                yield self.chunk(k, pre, logprobs=lp, plp=plp)
         if isinstance(ev, Delta):
-            n_out[k] += len(ev.token_ids)
-            lp = (completion_logprobs(srv, ev.token_ids, ev.logprobs, ev.top_logprobs, offset[k], as_ids)
-                  if body.logprobs is not None else None)
-            offset[k] += len(ev.text)
+            self.n_out[k] += len(ev.token_ids)
+            lp = (completion_logprobs(self.srv, ev.token_ids, ev.logprobs, ev.top_logprobs, self.offset[k],
+                                      self.as_ids) if body.logprobs is not None else None)
+            self.offset[k] += len(ev.text)
             if ev.text or lp is not None:
-                yield chunk(k, ev.text, logprobs=lp)
+                yield self.chunk(k, ev.text, logprobs=lp)
         else:
-            yield chunk(k, "", finish=ev.reason)
+            yield self.chunk(k, "", finish=ev.reason)
 
-    def last():
-        if include_usage:
-            yield sse({"id": rid, "object": "text_completion", "created": created,
-                       "model": resolved.requested, "choices": [],
-                       "usage": usage(sum(n_out)).model_dump(exclude_none=True)})
-
-    return group.stream(fmt, headers, last=last)
+    def last(self):
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            yield sse({"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
+                       "choices": [], "usage": self.usage(sum(self.n_out)).model_dump(exclude_none=True)})
 
 
-def _echo_only(srv, body, resolved, headers, created, ids_list, echo_texts):
+# --------------------------------------------------------------------------- the route
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, raw: Request):
+    srv: ServerState = raw.app.state.server
+    resolved = srv.resolve(body.model)
+    job = await completion_job(srv, body)
+    headers = srv.headers(resolved)
+    created = int(time.time())
+    if job.runs is None:
+        return _echo_only(body, resolved, headers, created, job)
+    group = Group(srv.worker, srv.metrics, raw, "cmpl", job.runs)
+    if not await group.admit():
+        return Response(status_code=499)
+    out = CompletionFormatter(srv, body, job, group, resolved, created)
+    if body.stream:
+        return group.stream(out.event, headers, last=out.last)
+    outs = await group.collect(bool(body.logprobs))
+    if outs is None:
+        return Response(status_code=499)
+    return JSONResponse(out.response(outs).model_dump(exclude_none=True), headers=headers)
+
+
+def _echo_only(body, resolved, headers, created, job: CompletionJob):
     """echo=true, max_tokens=0, no logprobs: the prompts themselves, without running the engine."""
     rid = new_request_id("cmpl")
+    ids_list, echo_texts = job.ids_list, job.echo_texts
     n_prompt = sum(len(ids) for ids in ids_list)
     choices = [CompletionChoice(index=p * body.n + j, text=echo_texts[p], finish_reason="length")
                for p in range(len(ids_list)) for j in range(body.n)]

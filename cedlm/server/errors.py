@@ -92,6 +92,22 @@ def internal_error(request_id: str, what: str = "internal error") -> APIError:
 
 
 _PATH_HEAD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?=[\[.:])")
+# pydantic's name of a union alternative in an error's location ("str", "literal['a','b']",
+# "constrained-int", "function-after[...]", a model's class name): not part of the field's path
+_ALTERNATIVE = re.compile(r"^(str|int|float|bool|none|[a-z]+(-[a-z]+)+(\[.*\])?|[a-z-]+\[.*\]|[A-Z][A-Za-z0-9]*)$")
+
+
+def _path(e: dict, keep_alternatives: bool = False) -> list[str]:
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    return loc[:1] + [x for x in loc[1:] if keep_alternatives or not _ALTERNATIVE.match(x)]
+
+
+def _first(errs: list[dict]) -> dict:
+    """The error to report: the first field's; of a union's alternatives, one whose value had the
+    right type (a bound broken, or a shape inside it), else the one reaching deepest."""
+    same = [e for e in errs if _path(e)[:1] == _path(errs[0])[:1]]
+    typed = [e for e in same if not re.search(r"(_type|_parsing|literal_error|missing)$", e.get("type", ""))]
+    return (typed or sorted(same, key=lambda e: -len(_path(e))))[0]
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -99,8 +115,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
     errs = exc.errors()
     if not errs:
         return APIError(400, "invalid request body")
-    e = errs[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    e = _first(errs)
+    errs = [e] + [x for x in errs if x is not e and _path(x) == _path(x, keep_alternatives=True)]
+    loc = _path(e)
     if e.get("type") == "json_invalid":
         detail = e.get("ctx", {}).get("error", "")
         return APIError(400, f"invalid JSON body: {e.get('msg', '')}" + (f" ({detail})" if detail else ""),
@@ -167,7 +184,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 _ERROR_DOC = {
     400: "Invalid request: malformed JSON, a field of the wrong type or out of range (`param` names it)",
-    401: "Missing or incorrect API key",
+    401: "Missing or incorrect API key (with --api-key; /metrics unless --metrics-public)",
     404: "Unknown model",
     413: "Request body larger than the server's limit",
     429: "The engine cannot take the request now (see the `retry-after` header)",
@@ -182,6 +199,8 @@ def fix_openapi(app: FastAPI, refine=None) -> None:
     `refine(schema)` then writes in the validators' rules and the run-time bounds
     (server/openapi_rules.py)."""
     from fastapi.openapi.utils import get_openapi
+
+    from cedlm.server.auth import OPEN_PATHS      # (it imports this module)
 
     def openapi():
         if app.openapi_schema:
@@ -198,9 +217,7 @@ def fix_openapi(app: FastAPI, refine=None) -> None:
             for method, op in ops.items():
                 resp = op.setdefault("responses", {})
                 had_body = resp.pop("422", None) is not None
-                codes = [500]
-                if path.startswith("/v1/"):
-                    codes += [401]
+                codes = [500] if path in OPEN_PATHS else [401, 500]
                 if had_body:
                     codes += [400, 404, 413, 429, 503]
                 if path == "/health":

@@ -1,4 +1,4 @@
-"""Tools: validating ``tools`` / ``tool_choice``, the schema that forces a tool call, and parsing
+"""Tools: validating ``tools``, the schema that forces a tool call, and parsing
 tool calls out of generated text, streaming or not.
 
 Two ways a tool call is produced:
@@ -96,22 +96,6 @@ def check_tools(v: Any, where: str = "tools") -> None:
             req = params.get("required")
             if req is not None and (not isinstance(req, list) or not all(isinstance(r, str) for r in req)):
                 raise ValueError(f"{w}.parameters.required: must be an array of strings")
-
-
-def check_tool_choice(v: Any) -> Any:
-    if v is None or v in ("none", "auto", "required"):
-        return v
-    if isinstance(v, str):
-        raise ValueError(f"tool_choice: {v!r} is not valid; allowed: 'none', 'auto', 'required' or "
-                         f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
-    if not isinstance(v, dict):
-        raise ValueError(f"tool_choice: must be a string or an object, got {_tn(v)}")
-    if v.get("type") != "function":
-        raise ValueError("tool_choice.type: must be 'function'")
-    fn = v.get("function")
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ValueError("tool_choice.function.name: must be a string")
-    return v
 
 
 def names(tools: list[dict] | None) -> list[str]:

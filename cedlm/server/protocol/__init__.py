@@ -38,7 +38,8 @@ salt, ``MAX_N`` choices (``n`` / ``best_of``), ``MAX_PROMPTS`` prompts per compl
 ``MAX_LOGIT_BIAS`` logit_bias entries (each bias compared with [-100, 100] before any conversion).
 
 The package, one concept a module: ``params`` (limits, effort tiers, the honoured / refused
-parameter tables), ``checks`` (shape checks of request values), ``json_depth`` (the nesting depth of
+parameter tables), ``checks`` (the typed request values, whose constraints also make
+`/openapi.json`, and the checks of free-form ones), ``json_depth`` (the nesting depth of
 JSON text, before parsing), ``common`` (the fields both generation endpoints share), ``chat``,
 ``completions``, ``tokenize`` (requests of each endpoint), ``responses`` (response shapes), ``errors``
 (the OpenAI error shape); ``responses_api`` (the Responses API request and its translation to a

@@ -2,17 +2,28 @@
 shared with /tokenize), and ``ChatCompletionRequest``."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from cedlm.server.protocol.checks import (
-    Combination, check_count, check_parts, check_tool_call, effort_value, type_name,
+    Combination, Effort, EffortLevel, OutputTokens, check_count, check_parts, check_tool_call, type_name,
 )
-from cedlm.server.protocol.common import CommonRequest
+from cedlm.server.protocol.common import COMMON_RULES, CommonRequest
 from cedlm.server.protocol.params import DEFAULT_THINKING_EFFORT, EFFORT_TIERS, MAX_TOP_LOGPROBS, REFUSED, refuse
-from cedlm.server.tools import check_tool_choice, check_tools
+from cedlm.server.tools import check_tools
 from cedlm.server.tools import names as tool_names
+
+RULES = COMMON_RULES + ["`tool_choice` other than none / auto needs `tools`, names one of them, and not "
+                        "with structured output", "`top_logprobs` needs `logprobs: true`"]
+
+
+def _tools(v: Any) -> Any:
+    check_tools(v, "tools")
+    return v
+
+
+Tools = Annotated[list[dict[str, Any]], BeforeValidator(_tools)]     # function tools (tools.py: check_tools)
 
 
 class ChatMessage(BaseModel):
@@ -23,7 +34,7 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
-    tools: list[dict[str, Any]] | None = None       # on a system / developer message
+    tools: Tools | None = None                      # on a system / developer message
     task: str | None = None                         # on a user message (cedlm.text.chat.TASK_TOKENS)
     wo_eos: StrictBool | None = None
 
@@ -44,12 +55,21 @@ class ChatMessage(BaseModel):
                 check_tool_call(tc, f"tool_calls[{i}]")
         return v
 
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _tools(cls, v):
-        if v is not None:
-            check_tools(v, "tools")
-        return v
+
+class ThinkingSwitch(BaseModel):
+    """DeepSeek's ``thinking``: ``{"type": "enabled" | "disabled"}`` (the effort is set with
+    ``reasoning_effort``)."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["enabled", "disabled"]
+
+
+class TemplateKwargs(BaseModel):
+    """vLLM's ``chat_template_kwargs``, as far as the V4.1 encoding has them."""
+    model_config = ConfigDict(extra="forbid")
+    thinking: StrictBool | None = None
+    enable_thinking: StrictBool | None = None
+    drop_thinking: StrictBool | None = None
+    reasoning_effort: Effort | None = None
 
 
 class ChatTemplateFields(BaseModel):
@@ -57,62 +77,15 @@ class ChatTemplateFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     messages: list[ChatMessage] | None = None
-    reasoning_effort: Any = None
-    cedlm_reasoning_effort: Any = None
-    thinking: StrictBool | dict[str, Any] | None = None     # DeepSeek's {"type": ...} becomes a bool
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _tools(cls, v):
-        if v is not None:
-            check_tools(v, "tools")
-        return v
-
-    @field_validator("thinking", mode="before")
-    @classmethod
-    def _thinking(cls, v):
-        if v is None or isinstance(v, bool):
-            return v
-        if isinstance(v, dict):
-            t = v.get("type")
-            if t not in ("enabled", "disabled"):
-                raise ValueError(f"thinking.type: must be 'enabled' or 'disabled', got {t!r}")
-            extra = [k for k in v if k != "type"]
-            if extra:
-                raise ValueError(f"thinking.{extra[0]}: not supported (set the effort with reasoning_effort)")
-            return t == "enabled"
-        raise ValueError(f"thinking: must be {{\"type\": \"enabled\"|\"disabled\"}} or a boolean, got {type_name(v)}")
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, v):
-        for k in ("thinking", "enable_thinking", "drop_thinking"):
-            if v and k in v and v[k] is not None and not isinstance(v[k], bool):
-                raise ValueError(f"chat_template_kwargs.{k}: must be a boolean, got {type_name(v[k])}")
-        known = {"thinking", "enable_thinking", "reasoning_effort", "drop_thinking"}
-        for k in v or {}:
-            if k not in known:
-                raise ValueError(f"chat_template_kwargs.{k}: not supported (known: {', '.join(sorted(known))})")
-        if v and v.get("reasoning_effort") is not None:
-            v["reasoning_effort"] = effort_value(v["reasoning_effort"], "chat_template_kwargs.reasoning_effort",
-                                                 allow_tiers=True)
-        return v
-
-    @field_validator("reasoning_effort")
-    @classmethod
-    def _effort(cls, v):
-        return effort_value(v, "reasoning_effort", allow_tiers=True)
-
-    @field_validator("cedlm_reasoning_effort")
-    @classmethod
-    def _cedlm_effort(cls, v):
-        return effort_value(v, "cedlm_reasoning_effort", allow_tiers=False)
+    reasoning_effort: Effort | None = None
+    cedlm_reasoning_effort: EffortLevel | None = None
+    thinking: StrictBool | ThinkingSwitch | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
+    tools: Tools | None = None
 
     @property
     def drop_thinking(self) -> bool:
-        v = (self.chat_template_kwargs or {}).get("drop_thinking")
+        v = self.chat_template_kwargs.drop_thinking if self.chat_template_kwargs else None
         return True if v is None else v
 
     def resolve_thinking(self) -> tuple[bool, int | None]:
@@ -123,12 +96,12 @@ class ChatTemplateFields(BaseModel):
         ``chat_template_kwargs.reasoning_effort`` or the default (high)."""
         if self.cedlm_reasoning_effort is not None:
             return True, self.cedlm_reasoning_effort
-        kw = self.chat_template_kwargs or {}
-        switch = self.thinking
-        for k in ("thinking", "enable_thinking"):
-            if switch is None and kw.get(k) is not None:
-                switch = kw[k]
-        e = self.reasoning_effort if self.reasoning_effort is not None else kw.get("reasoning_effort")
+        kw = self.chat_template_kwargs or TemplateKwargs()
+        switch = self.thinking.type == "enabled" if isinstance(self.thinking, ThinkingSwitch) else self.thinking
+        for v in (kw.thinking, kw.enable_thinking):
+            if switch is None and v is not None:
+                switch = v
+        e = self.reasoning_effort if self.reasoning_effort is not None else kw.reasoning_effort
         if e is not None:
             e = EFFORT_TIERS[e] if isinstance(e, str) else e
             if e is None or switch is False:        # "none", or thinking explicitly disabled
@@ -137,12 +110,24 @@ class ChatTemplateFields(BaseModel):
         return (True, DEFAULT_THINKING_EFFORT) if switch else (False, None)
 
 
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``{"type": "function", "function": {"name": ...}}``: the output is a call of that tool."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(CommonRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: OutputTokens | None = None
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tool_choice: Any = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
 
     @model_validator(mode="before")
@@ -152,10 +137,10 @@ class ChatCompletionRequest(CommonRequest, ChatTemplateFields):
         refuse(data, [k for k in REFUSED if k not in ("suffix",)])
         return data
 
-    @field_validator("tool_choice", mode="before")
+    @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, v):
-        return check_tool_choice(v)
+        return v.model_dump() if isinstance(v, NamedToolChoice) else v      # read as OpenAI's dict
 
     @model_validator(mode="after")
     def _tool_rules(self):

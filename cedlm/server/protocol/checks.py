@@ -1,17 +1,19 @@
-"""Shape checks of request values, run by the request models' validators before pydantic's own
-typing: body-wide checks (valid Unicode, nesting depth, message count), content parts, tool
-calls, reasoning effort, ``response_format``, ``structured_outputs`` and ``logit_bias``. Each
-raises a ``ValueError`` naming the field."""
+"""Request value types and shape checks, run by the request models: the typed values whose
+constraints generate both the validation and `/openapi.json` (``TokenId``, ``Effort``, ``Tools``,
+...), body-wide checks (valid Unicode, nesting depth, message count) and the checks of free-form
+values types cannot describe (content parts, tool calls, ``response_format``,
+``structured_outputs``, ``logit_bias``). Each check raises a ``ValueError`` naming the field."""
 from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
+from pydantic_core import PydanticCustomError
 
 from cedlm.server.protocol.json_depth import check_json_text
-from cedlm.server.protocol.params import EFFORT_TIERS, MAX_DEPTH, MAX_LOGIT_BIAS, MAX_MESSAGES
+from cedlm.server.protocol.params import EFFORT_TIERS, MAX_DEPTH, MAX_MESSAGES, MAX_N
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -28,13 +30,24 @@ def _json_int(v: Any) -> Any:
     or a string (those stay errors)."""
     if isinstance(v, float) and v.is_integer():
         return int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"must be an integer, got {type_name(v)}")
+    if isinstance(v, bool) or not isinstance(v, int):     # a wrong type, as pydantic's own int_type
+        raise PydanticCustomError("int_type", "must be an integer, got {got}", {"got": type_name(v)})
     return v
 
 
+def bound(name: str) -> dict:
+    """A bound known once the model is loaded (``token``: below the vocabulary, ``context``: within
+    the context, ``samples``: the sample cap), marked for server/openapi_rules.py to write in."""
+    return {"x-bound": name}
+
+
 JsonInt = Annotated[int, BeforeValidator(_json_int)]
-TokenId = Annotated[int, Field(ge=0), BeforeValidator(_json_int)]   # (the bound first: in the JSON schema)
+# (the bounds first: in the JSON schema)
+TokenId = Annotated[int, Field(ge=0, json_schema_extra=bound("token")), BeforeValidator(_json_int)]
+OutputTokens = Annotated[int, Field(ge=1, json_schema_extra=bound("context"))]
+Samples = Annotated[int, Field(ge=1, le=MAX_N, json_schema_extra=bound("samples")), BeforeValidator(_json_int)]
+EffortLevel = Annotated[int, Field(ge=1, le=100), BeforeValidator(_json_int)]      # the V4.1 effort
+Effort = Literal[tuple(EFFORT_TIERS)] | EffortLevel                                # a tier or a level
 
 class Combination(ValueError):
     """A rule between fields that JSON schema cannot state (best_of >= n, min_tokens <=
@@ -139,22 +152,6 @@ def check_tool_call(tc: Any, where: str) -> None:
         raise ValueError(f"{w}.arguments: must be a JSON object, got {type_name(args)}")
 
 
-def effort_value(v: Any, field: str, allow_tiers: bool) -> Any:
-    if v is None:
-        return None
-    if type(v) is float and v.is_integer():       # JSON schema's integer: 46 and 46.0 alike
-        v = int(v)
-    if type(v) is int:
-        if 1 <= v <= 100:
-            return v
-        raise ValueError(f"{field}: integer effort must be in 1..100, got {show(v)}")
-    if allow_tiers and isinstance(v, str) and v in EFFORT_TIERS:
-        return v
-    allowed = (", ".join(repr(k) for k in EFFORT_TIERS) + " or an integer 1..100") if allow_tiers \
-        else "an integer 1..100"
-    raise ValueError(f"{field}: {show(v)} is not valid; allowed: {allowed}")
-
-
 def check_response_format(v: Any) -> Any:
     if v is None:
         return None
@@ -195,20 +192,11 @@ def check_structured(v: Any) -> Any:
     return v
 
 
-def check_logit_bias(v: Any) -> Any:
+def check_logit_bias(v: dict[str, float] | None) -> dict[int, float] | None:
+    """The biases by token id (the type checked the values and the count)."""
     if v is None:
         return None
-    if not isinstance(v, dict):
-        raise ValueError(f"logit_bias: must be an object mapping token ids to biases, got {type_name(v)}")
-    if len(v) > MAX_LOGIT_BIAS:
-        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(v)}")
-    out: dict[int, float] = {}
-    for k, b in v.items():
-        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k.lstrip("0")) <= 18):
+    for k in v:
+        if not (k.isascii() and k.isdigit() and len(k.lstrip("0")) <= 18):
             raise ValueError(f"logit_bias: key {show(k)} is not a token id (a non-negative integer as a string)")
-        # compared before any conversion: an integer of 4,000 digits overflows float() (was a 500);
-        # NaN and the infinities fail the comparison
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
-            raise ValueError(f"logit_bias: the bias of token {k} must be a number in [-100, 100], got {show(b)}")
-        out[int(k)] = float(b)
-    return out
+    return {int(k): b for k, b in v.items()}

@@ -3,33 +3,62 @@ conditions, choices, structured output, and accepted-without-effect hints."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, StrictBool, StringConstraints, WrapValidator, field_validator, model_validator,
+)
+from pydantic_core import PydanticCustomError, ValidationError
 
 from cedlm.server.protocol.checks import (
-    Combination, JsonInt, check_body, check_logit_bias, check_response_format, check_structured,
+    Combination, JsonInt, OutputTokens, Samples, TokenId, bound, check_body, check_logit_bias, check_response_format,
+    check_structured,
 )
 from cedlm.server.protocol.json_depth import check_json_text
 from cedlm.server.protocol.params import (
-    GUIDED, MAX_CACHE_SALT_CHARS, MAX_TEMPERATURE, MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
+    GUIDED, MAX_CACHE_SALT_CHARS, MAX_TEMPERATURE, MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
 )
+
+# The rules between fields both endpoints check (a 400 with code `invalid_combination` unless noted;
+# each operation's description in /openapi.json lists its own: server/openapi_rules.py)
+COMMON_RULES = [
+    "`best_of` >= `n`; `best_of` > `n` not with `stream`", "`min_tokens` <= `max_tokens`",
+    "at most one of `response_format`, `structured_outputs`, `guided_*`; `ignore_eos` not with any of them",
+    "`allowed_token_ids` must allow the output a structured-output constraint requires (`constraint_conflict`)",
+    "prompt tokens + `max_tokens` <= the context (`context_length_exceeded`, known after tokenizing)",
+    "prompts x max(`n`, `best_of`) within the engine's slots + queue (`request_too_large`)",
+]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+StopTokenId = Annotated[int, Field(ge=0, json_schema_extra=bound("token"))]     # (as pydantic converts: "5" too)
+
+
+def _bias(v: Any, handler) -> float:
+    try:
+        return handler(v)
+    except ValidationError:         # (the value is not repeated: it may be a number of 4,000 digits)
+        raise PydanticCustomError("bias_range", "must be a number in [-100, 100]") from None
+
+
+# {token id as a string: a bias}; each bias compared with the bounds before any conversion (strict)
+LogitBias = Annotated[dict[Annotated[str, Field(json_schema_extra=bound("token_key"))],
+                           Annotated[float, Field(strict=True, ge=-100, le=100), WrapValidator(_bias)]],
+                      Field(max_length=MAX_LOGIT_BIAS)]
 
 
 class CommonRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: OutputTokens | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    n: JsonInt = Field(default=1, ge=1, le=MAX_N)
-    best_of: JsonInt | None = Field(default=None, ge=1, le=MAX_N)
+    n: Samples = 1
+    best_of: Samples | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: list[StopTokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     min_tokens: JsonInt = Field(default=0, ge=0)
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False
@@ -38,9 +67,9 @@ class CommonRequest(BaseModel):
     stream_options: "StreamOptions | None" = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
-    logit_bias: Any = None
-    allowed_token_ids: list[JsonInt] | None = Field(default=None, min_length=1, max_length=MAX_LOGIT_BIAS)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)     # (the engine's bounds)
+    logit_bias: LogitBias | None = None
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1, max_length=MAX_LOGIT_BIAS)
     response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
@@ -50,7 +79,7 @@ class CommonRequest(BaseModel):
     # accepted, no effect on generation (as with OpenAI: tracking, routing and tier hints)
     user: str | None = None
     metadata: dict[str, Any] | None = None
-    service_tier: str | None = None
+    service_tier: Literal["auto", "default"] | None = None      # one tier
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
@@ -61,28 +90,7 @@ class CommonRequest(BaseModel):
         check_body(data)
         return data
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"stop: at most {MAX_STOP} stop strings, got {len(stops)}")
-        for s in stops:
-            if not s:
-                raise ValueError("stop: stop strings must not be empty")
-            if len(s) > MAX_STOP_CHARS:
-                raise ValueError(f"stop: a stop string may have at most {MAX_STOP_CHARS} characters, "
-                                 f"got {len(s)}")
-        return v
-
-    @field_validator("allowed_token_ids")
-    @classmethod
-    def _allowed(cls, v):
-        if v is not None and any(t < 0 for t in v):
-            raise ValueError("allowed_token_ids: token ids must be >= 0")
-        return v
-
-    @field_validator("logit_bias", mode="before")
+    @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v):
         return check_logit_bias(v)
@@ -96,13 +104,6 @@ class CommonRequest(BaseModel):
     @classmethod
     def _structured(cls, v):
         return check_structured(v)
-
-    @field_validator("service_tier")
-    @classmethod
-    def _tier(cls, v):
-        if v not in (None, "auto", "default"):
-            raise ValueError(f"service_tier: {v!r} is not available; this server has one tier ('auto' / 'default')")
-        return v
 
     @model_validator(mode="after")
     def _choices(self):

@@ -1,20 +1,27 @@
 """Text completion requests (``/v1/completions``): prompts as text or token ids, scoring."""
 from __future__ import annotations
 
-from pydantic import Field, StrictBool, field_validator, model_validator
+from typing import Annotated
 
-from cedlm.server.protocol.common import CommonRequest
-from cedlm.server.protocol.checks import Combination, JsonInt
+from pydantic import Field, StrictBool, model_validator
+
+from cedlm.server.protocol.common import COMMON_RULES, CommonRequest
+from cedlm.server.protocol.checks import Combination, TokenId, bound
 from cedlm.server.protocol.params import (
     CHAT_ONLY_REFUSED, COMPLETIONS_ONLY_REFUSED, MAX_CHOICES, MAX_PROMPTS, MAX_TOP_LOGPROBS, REFUSED, refuse,
 )
 
-PromptType = str | list[JsonInt] | list[str] | list[list[JsonInt]]
+RULES = COMMON_RULES + ["`max_tokens` 0 only with `echo` or `prompt_logprobs`, and then `min_tokens` 0",
+                        "`best_of` > `n` not with `echo`", "an empty text prompt needs `add_special_tokens`"]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+# a text, token ids, or a list of either
+PromptType = (str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
 
 
 class CompletionRequest(CommonRequest):
     prompt: PromptType
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: Annotated[int, Field(ge=0, json_schema_extra=bound("context"))] | None = None   # 0: scoring
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: StrictBool = False
@@ -26,19 +33,6 @@ class CompletionRequest(CommonRequest):
     def _refused(cls, data):
         refuse(data, [k for k in REFUSED if k not in CHAT_ONLY_REFUSED + COMPLETIONS_ONLY_REFUSED] + ["suffix"])
         return data
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, v):
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt: empty prompt")
-        if isinstance(v, list) and isinstance(v[0], (str, list)):
-            if len(v) > MAX_PROMPTS:
-                raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(v)}")
-            for i, p in enumerate(v):
-                if isinstance(p, list) and not p:
-                    raise ValueError(f"prompt[{i}]: empty prompt")
-        return v
 
     @model_validator(mode="after")
     def _zero(self):

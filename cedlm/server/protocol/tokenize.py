@@ -7,6 +7,9 @@ from cedlm.server.protocol.chat import ChatTemplateFields
 from cedlm.server.protocol.checks import Combination, TokenId, check_body, check_count
 from cedlm.server.protocol.params import refuse
 
+RULES = ["exactly one of `prompt` / `messages`; with `messages`, `add_generation_prompt` true",
+         "the tokens within the context (`context_length_exceeded`, known after tokenizing)"]
+
 
 class TokenizeRequest(ChatTemplateFields):
     """vLLM's /tokenize: ``{"model", "prompt"}`` (a text; ``add_special_tokens`` default true:
