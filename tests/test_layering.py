@@ -192,6 +192,29 @@ def test_layering():
     assert not found, "import layering broken:\n  " + "\n  ".join(found)
 
 
+# The engine reaches the model's forward through its step wrappers only (`CompiledDecode` for a
+# token per sequence, `dspark_steps` for the DSpark draft and verification), each of which owns
+# its reference fallback: no second implementation of a step is imported into cedlm.engine.
+ENGINE_STEP_NAMES = {"draft_block", "verify", "rollback", "mark", "blocks_forward", "decode_step",
+                     "draft_step"}
+
+
+def test_engine_calls_one_step():
+    bad = []
+    for mod, path in _modules().items():
+        if unit_of(mod) != "cedlm.engine":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cedlm.model"):
+                bad += [f"{mod}: from {node.module} import {a.name}" for a in node.names
+                        if a.name in ENGINE_STEP_NAMES]
+            if (isinstance(node, ast.Attribute) and node.attr in ENGINE_STEP_NAMES
+                    and isinstance(node.value, ast.Name) and node.value.id in ("dspark", "rollback")):
+                bad.append(f"{mod}: {node.value.id}.{node.attr}")
+    assert not bad, "the engine calls a step's second implementation:\n  " + "\n  ".join(bad)
+
+
 def test_checker_reports_upward_edges_and_cycles():
     layers = {"cedlm.low": 0, "cedlm.mid": 1, "cedlm.top": 2}
     edges = {

@@ -180,13 +180,26 @@ def test_bad_calls_say_what():
     assert st.num_tokens == 6                                         # nothing written
 
 
-def test_eager_mode_keeps_the_reference():
-    """decode_step "eager" (CEDLM_REFERENCE_KERNELS=1 too): the speculator verifies through
-    `rollback.verify` (no step); "static": through the step."""
+def test_eager_mode_keeps_the_reference(shipped):
+    """decode_step "eager" (CEDLM_REFERENCE_KERNELS=1 too): the speculator's verify step runs the
+    reference (`rollback.verify`, every row appended, `commit` rolling back the rejected ones);
+    "static": the static step. Both leave the same state and the same logits."""
     from cedlm.engine.speculative import DSparkSpeculator
-    m = load_model("cedlm/assets/model")[0].eval()
-    assert DSparkSpeculator(m, decoder=CompiledDecode(m, "eager")).step is None
-    assert DSparkSpeculator(m, decoder=CompiledDecode(m, "static")).step.usable
+    ref = DSparkSpeculator(shipped, decoder=CompiledDecode(shipped, "eager")).step
+    assert not ref.usable
+    assert DSparkSpeculator(shipped, decoder=CompiledDecode(shipped, "static")).step.usable
+    static = VerifyStep(CompiledDecode(shipped, "static"), T)
+    a = shipped.new_state()
+    shipped.prefill(torch.arange(3, 80) % 4000, a)
+    b = copy.deepcopy(a)
+    ids = torch.tensor([[17, 250, 31, 9]])
+    la, _, out_a = ref(ids, [a])
+    lb, _, out_b = static(ids, [b])
+    assert (la[:, :4] - lb[:, :4]).abs().max() <= TOL
+    ref.commit(ids, [a], out_a, [2])
+    static.commit(ids, [b], out_b, [2])
+    assert a.num_tokens == b.num_tokens == 79 and a.token_ids == b.token_ids
+    _assert_same_state(shipped, a, b)
 
 
 @pytest.mark.slow            # cold: two graphs, about 15 minutes on this 2-core machine

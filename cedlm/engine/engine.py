@@ -129,7 +129,7 @@ class Engine:
         rows = self._scratch_rows(tables)
         try:
             got = self.decoder.warm_up(batch_sizes, rows)
-            if self.speculator is not None and self.speculator.step is not None:
+            if self.speculator is not None:
                 got.update({f"verify {g}": sec for g, sec in
                             self.speculator.step.warm_up(batch_sizes, rows).items()})
                 got.update({f"draft {g}": sec for g, sec in
@@ -166,7 +166,7 @@ class Engine:
         tables: list[BlockTable] = []
         rows = self._scratch_rows(tables)
         spec = self.speculator
-        with_spec = spec is not None and spec.step is not None and spec.step.compile and spec.step.usable
+        with_spec = spec is not None and spec.step.compile and spec.step.usable
         try:
             scratch = {B: scratch_states(self.model, B, rows) for B in batch_sizes}
             scratch_v = {B: scratch_states(self.model, B, rows) for B in batch_sizes} if with_spec else {}

@@ -3,25 +3,25 @@ target forward, keep the accepted prefix, roll back the rest, return the tokens.
 
 Per engine step, for the running sequences that can speculate (no logits processing, no top
 logprobs: their sampling distribution is the plain temperature / top-k / top-p one):
-1. `propose`: the block's hidden rows (the static draft step, `draft_step.DraftStep`, compiled
-   like the decode step; `dspark.draft_block` in mode "eager") + `markov_decode` give
+1. `propose`: the block's hidden rows (the draft step, `dspark_steps.DraftStep`: the static step,
+   compiled like the decode step; `dspark.draft_block` in mode "eager") + `markov_decode` give
    N = dspark_block_size draft tokens per sequence (greedy rows take the argmax, sampled rows draw from the draft distribution q); the
    drafts to verify: while the running product of their confidences stays at or above
    `threshold` (0 verifies the whole block), capped by what the request may still emit;
 2. the engine reserves the lookahead slots through the scheduler (`Scheduler.reserve_lookahead`;
    when the pool cannot hold them, `Proposal.without_drafts` verifies none: one plain token);
-3. `verify`: one target forward over [anchor, drafts...] for the batch: the static verify step
-   (`verify_step.VerifyStep`, compiled like the decode step: the engine's `decode_step` mode;
-   it stores nothing, and the kept prefix is written back after acceptance), or, in mode
-   "eager" and wherever the decode step takes the reference path, `rollback.verify` (rows
-   padded to the longest verified length, the padding rolled back like a rejection);
+3. `verify`: one target forward over [anchor, drafts...] for the batch (`dspark_steps.VerifyStep`):
+   the static step, compiled like the decode step (the engine's `decode_step` mode; it stores
+   nothing, and the kept prefix is written back after acceptance), or, in mode "eager" and
+   wherever the decode step takes the reference path, `rollback.verify` (rows padded to the
+   longest verified length, the padding rolled back like a rejection);
 4. accept (`accept_greedy` / `accept_sampled`): greedy keeps drafts while they equal the target's
    argmax, then the target's token (the plain greedy output, up to float near-ties: the
    verification forward runs other GEMM shapes and MoE groupings than a one-token step, as
    batching does); sampled runs standard speculative rejection sampling, which leaves the output
    distribution that of the target (tests/test_speculative.py);
-5. write back the kept rows (`VerifyStep.commit`) or roll back the rejected ones
-   (`rollback.rollback`), write the drafter's context rows for the
+5. write back the kept rows or roll back the rejected ones (`VerifyStep.commit`), write the
+   drafter's context rows for the
    kept positions, and return each sequence's kept tokens with their logprobs. The engine then
    advances the scheduler's counts (which releases the unused slots) and emits the tokens
    through the stop checker one by one.
@@ -57,8 +57,9 @@ from cedlm.engine.loader import model_device
 from cedlm.engine.sampler import apply_top_k_top_p
 from cedlm.engine.spec_policy import POLICIES, Measurements, PolicyConfig, SpecPolicy
 from cedlm.model import dspark
+from cedlm.model.compiled_step import CompiledDecode
 from cedlm.model.dspark_steps import DraftStep, VerifyStep
-from cedlm.model.rollback import capture, mark, rollback, verify
+from cedlm.model.rollback import capture
 
 METHODS = SPEC_METHODS
 WARM_ROWS = 2        # context rows right before a block needed for its acceptance to be counted
@@ -208,9 +209,9 @@ class DSparkSpeculator:
         self._decode_s = 0.0                        # this engine step's decoding so far
         self._accept = weakref.WeakKeyDictionary()  # sequence runtime -> its own acceptance
         self.stats = SpecStats(verified_at=[0] * N, accepted_at=[0] * N)
-        static = decoder is not None and decoder.mode != "eager"
-        self.step = VerifyStep.of(decoder, 1 + self.k_max, log=log) if static else None
-        self.drafter = DraftStep.of(decoder, log=log) if static else None
+        steps = decoder if decoder is not None else CompiledDecode.of(model, "eager")
+        self.step = VerifyStep.of(steps, 1 + self.k_max, log=log)
+        self.drafter = DraftStep.of(steps, log=log)
 
     # ---------------------------------------------------------------- policy
     def _decoder_mode(self):
@@ -305,10 +306,7 @@ class DSparkSpeculator:
         """One block per sequence: (draft tokens [B, N], draft logits [B, N, V], confidence
         [B, N]); greedy rows take the argmax, sampled rows draw from their draft distribution."""
         states = [u.draft for u in runs]
-        if self.drafter is not None and self.drafter.usable:      # the static step (dspark_steps.py)
-            h, base = self.drafter(states, anchors, P)
-        else:
-            h, base = dspark.draft_block(self.model, states, anchors, P)
+        h, base = self.drafter(states, anchors, P)
 
         def choose(logits, i):
             out = logits.argmax(-1)
@@ -352,19 +350,13 @@ class DSparkSpeculator:
         tokens (accepted drafts, then the target's own token) with their raw logprobs. The
         states end as if only the kept tokens had been appended, and the drafter's context is
         written."""
-        model, st, k = self.model, self.stats, prop.k
+        st, k = self.stats, prop.k
         T = 1 + prop.num_lookahead
         t0 = time.perf_counter()
         ids = torch.cat((prop.anchors[:, None], prop.drafts[:, : T - 1]), 1)
         states = [u.state for u in runs]
-        static = self.step is not None and self.step.usable
-        if static:                          # nothing stored yet: the kept rows written back after
-            logits, taps, out = self.step(ids.cpu(), states)
-            logits, taps = logits[:, :T], taps[:, :T]
-        else:                               # appended, the rejected rows rolled back after
-            marks = [mark(s, T) for s in states]
-            logits, cap = verify(model, ids, states, taps=True)
-            taps = cap.taps
+        logits, taps, out = self.step(ids.cpu(), states)
+        logits, taps = logits[:, :T], taps[:, :T]
         st.verify_s += time.perf_counter() - t0
         kept, emitted = [], []
         for b, r in enumerate(reqs):
@@ -389,11 +381,7 @@ class DSparkSpeculator:
             rows = [b for b, c in enumerate(prop.counted) if c]
             seqs = [self._accept.setdefault(runs[b], self.policy.sequence_acceptance()) for b in rows]
             self.policy.observe_acceptance([kept[b] for b in rows], seqs)
-        if static:
-            self.step.commit(ids.tolist(), states, out, kept)
-        else:
-            for b in range(len(states)):
-                rollback(model, states[b], marks[b], kept[b], cap, b)
+        self.step.commit(ids.tolist(), states, out, kept)
         self.write_context([u.draft for u in runs], taps, prop.positions.tolist(), kept)
         lsm = torch.log_softmax(logits.float(), -1)
         out = []

@@ -111,7 +111,11 @@ def compile_step(device, fn=None, one_row_products: bool = False):
         # generated Python function, one Python call per step instead of one per kernel
         # (the shipped model at 512 tokens, batch 1: 7.3 -> 6.0 ms per token; its first
         # compile takes longer, about 3 min cold, then loads from the cache).
-        "cpp_wrapper": torch.device(device).type == "cpu"})
+        "cpp_wrapper": torch.device(device).type == "cpu",
+        # The generated C++ reads the thread count when it runs instead of baking it in, so the
+        # cached graphs serve `cedlm serve` (1 thread) and `cedlm generate` (2) alike: inductor
+        # keys its cache by the thread count it specialised on.
+        "cpp.dynamic_threads": True})
 
 
 class Regions:

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import copy
 import weakref
+from typing import NamedTuple
 
 import torch
 
 from cedlm.model import dspark
 from cedlm.model.model import decode_step
+from cedlm.model.rollback import mark, rollback, verify
 from cedlm.model.static_kv import StepShapes
 from cedlm.model.compiled_step import (CompiledDecode, compile_step, graph_name, mark_dynamic,
                                        run_step, scratch_states)
@@ -42,6 +44,13 @@ from cedlm.model.state import SequenceState
 _STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # decode step -> DraftStep
 _DRAFTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class Appended(NamedTuple):
+    """What the reference verification left to `VerifyStep.commit`: every row appended, the
+    marks and captures `rollback.rollback` needs to take the rejected ones back."""
+    marks: list
+    cap: object
 
 
 class VerifyStep:
@@ -70,7 +79,7 @@ class VerifyStep:
 
     @property
     def usable(self) -> bool:
-        """Whether this step runs now (else the caller takes `rollback.verify`)."""
+        """Whether the static step runs now (else the reference, `rollback.verify`)."""
         return self.decoder.mode != "eager" and self.decoder.why_not() is None
 
     def _shape(self, states) -> StepShapes:
@@ -83,14 +92,20 @@ class VerifyStep:
 
     @torch.no_grad()
     def __call__(self, ids, states: list[SequenceState]):
-        """ids [B, t] (t <= T; padded to T with token 0) -> (logits [B, T, V], taps [B, T, n*D],
-        out: what `commit` writes back). Nothing in the states changes."""
+        """ids [B, t] (t <= T; padded to T with token 0) -> (logits [B, T, V] (the reference:
+        [B, t, V]), taps [B, T, n*D], out: what `commit` writes back). The static step changes
+        nothing in the states; the reference (`usable` False: `rollback.verify`) appends the rows,
+        and `commit` rolls back the rejected ones."""
         ids = torch.as_tensor(ids, dtype=torch.int64, device="cpu")
         B, t = ids.shape
         if B != len(states):
             raise ValueError(f"input_ids: {B} rows for {len(states)} states")
         if not 1 <= t <= self.T:
             raise ValueError(f"verify step: {t} tokens per row, expected 1..{self.T}")
+        if not self.usable:
+            marks = [mark(st, t) for st in states]
+            logits, cap = verify(self.model, ids, states, taps=True)
+            return logits, cap.taps, Appended(marks, cap)
         if t < self.T:
             ids = torch.cat((ids, ids.new_zeros(B, self.T - t)), 1)
         shapes = self._shape(states)
@@ -106,6 +121,10 @@ class VerifyStep:
         for b, (r, k) in enumerate(zip(rows, keep)):
             if not 0 <= k <= len(r):
                 raise ValueError(f"commit: keep {k} not in [0, {len(r)}] (row {b})")
+        if isinstance(out, Appended):               # the reference appended every row
+            for b, st in enumerate(states):
+                rollback(self.model, st, out.marks[b], keep[b], out.cap, b)
+            return
         self.decoder.write_back(rows, states, out, keep)
 
     @torch.no_grad()
@@ -149,7 +168,7 @@ class DraftStep:
 
     @property
     def usable(self) -> bool:
-        """Whether this step runs now (else the caller takes `dspark.draft_block`)."""
+        """Whether the static step runs now (else the reference, `dspark.draft_block`)."""
         return self.decoder.mode != "eager" and self.decoder.why_not() is None
 
     @torch.no_grad()
@@ -162,6 +181,8 @@ class DraftStep:
         if anchors.shape != (B,) or P.shape != (B,):
             raise ValueError(f"draft step: anchors {tuple(anchors.shape)} and P {tuple(P.shape)} "
                              f"must both be [{B}] (one per state)")
+        if not self.usable:
+            return dspark.draft_block(self.model, states, anchors, P)
         if B == 1:
             rings, ring_pos = states[0].window.unsqueeze(1), states[0].window_pos[:1]
         else:
