@@ -9,8 +9,8 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field
-from pydantic_core import PydanticCustomError
+from pydantic import BeforeValidator, Field, WrapValidator
+from pydantic_core import PydanticCustomError, ValidationError
 
 from cedlm.server.protocol.json_depth import check_json_text
 from cedlm.server.protocol.params import EFFORT_TIERS, MAX_DEPTH, MAX_MESSAGES, MAX_N
@@ -46,8 +46,24 @@ JsonInt = Annotated[int, BeforeValidator(_json_int)]
 TokenId = Annotated[int, Field(ge=0, json_schema_extra=bound("token")), BeforeValidator(_json_int)]
 OutputTokens = Annotated[int, Field(ge=1, json_schema_extra=bound("context"))]
 Samples = Annotated[int, Field(ge=1, le=MAX_N, json_schema_extra=bound("samples")), BeforeValidator(_json_int)]
-EffortLevel = Annotated[int, Field(ge=1, le=100), BeforeValidator(_json_int)]      # the V4.1 effort
-Effort = Literal[tuple(EFFORT_TIERS)] | EffortLevel                                # a tier or a level
+_LEVEL = Annotated[int, Field(ge=1, le=100), BeforeValidator(_json_int)]
+
+
+def _allowed(allowed: str) -> WrapValidator:
+    """One error naming what is allowed, in place of one per alternative of a union."""
+    def check(v: Any, handler):
+        try:
+            return handler(v)
+        except ValidationError:
+            raise PydanticCustomError("not_allowed", "{got} is not valid; allowed: " + allowed,
+                                      {"got": show(v)}) from None
+    return WrapValidator(check)
+
+
+EffortLevel = Annotated[_LEVEL, _allowed("an integer 1..100")]                   # the V4.1 effort
+Effort = Annotated[Literal[tuple(EFFORT_TIERS)] | _LEVEL,                         # a tier or a level
+                   _allowed(", ".join(repr(k) for k in EFFORT_TIERS) + " or an integer 1..100")]
+
 
 class Combination(ValueError):
     """A rule between fields that JSON schema cannot state (best_of >= n, min_tokens <=
