@@ -270,6 +270,39 @@ def test_compiled_step_matches_reference_every_layer_kind(every_kind, device):
     assert differ <= 1
 
 
+def test_regions_compile_each_layer_kind_once(shipped, monkeypatch):
+    """Compiled by region (`compiled_step.Regions`), through dynamo's capture and guards without
+    code generation (the "eager" backend): one compiled `Block.step` per layer kind, reused by
+    every layer of the kind; batch 1 at two context lengths and batch 2 then 3 (one graph for
+    >= 2) add no recompilation after the first of each; the logits equal the whole step's
+    uncompiled within float rounding (the captured graphs' ops, a few ulps)."""
+    import torch._dynamo as dynamo
+    from cedlm.model import compiled_step
+    monkeypatch.setattr(compiled_step, "BACKEND", "eager")
+    monkeypatch.setattr(compiled_step, "REGIONS", True)
+    dynamo.reset()
+    step = CompiledDecode(shipped, "compiled")
+    kinds = {layer.kind() for layer in shipped.layers}
+    assert isinstance(step.fn, compiled_step.Regions) and step.fn.kinds == len(kinds) < len(shipped.layers)
+    static = CompiledDecode(shipped, "static")
+    frames = []
+    with torch.no_grad():
+        for lengths, steps in (([61], 2), ([300], 1), ([5, 40], 1), ([7, 90, 33], 1)):
+            states = [shipped.new_state() for _ in lengths]
+            toks = [int(shipped.prefill(p, st)[-1].argmax()) for p, st in zip(_prompts(len(lengths), lengths), states)]
+            for _ in range(steps):
+                ref, _ = static.forward(torch.tensor(toks), copy.deepcopy(states))
+                got, out = step.forward(torch.tensor(toks), states)
+                assert (got - ref).abs().max().item() <= 1e-4      # float rounding: a few ulps
+                step.write_back(toks, states, out)
+                toks = got.argmax(-1).tolist()
+            frames.append(dynamo.utils.counters["stats"]["unique_graphs"])
+    # a graph per kind for batch 1 and one per kind for batch >= 2: the longer prompt and the
+    # third sequence compiled nothing new
+    assert frames[0] == len(kinds) and frames[1] == frames[0]
+    assert frames[2] <= 2 * len(kinds) and frames[3] == frames[2]
+
+
 @pytest.mark.slow            # cold: two graphs of 12 layers, about 10 minutes on this 2-core machine
 @pytest.mark.compiled
 @ON_DEVICES
