@@ -252,7 +252,8 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
     for admission while the engine is full (None: unbounded); queue_timeout: seconds a request may
     wait for admission (None: forever); beyond either -> 429 with `retry-after: retry_after`.
     max_body_bytes: request bodies above it get 413 (None: no limit; default 8 MiB);
-    max_prompt_tokens: longer prompts get 400 (None: max_model_len); exit_on_engine_failure: when
+    max_prompt_tokens: longer prompts get 400 (None: max_model_len); exit_on_engine_failure (True,
+    or a callable given the reason, which shuts the server down itself): when
     the engine fails for good, SIGTERM this process (the CLI sets it); default_max_tokens: the
     max_tokens of a request that omits it (None or 0: the rest of the context); worker_options: more
     `EngineWorker` keywords (max_step_failures, max_restarts, degraded_window, stall_after,
@@ -272,7 +273,8 @@ def create_app(llm_or_engine, *, served_model_name: str | None = None,
             raise ValueError("served_model_name: differs from the alias table's served name")
     else:
         table = AliasTable(served_model_name or "cedlm", aliases)
-    opts = {"on_failed": _exit_process if exit_on_engine_failure else None, **(worker_options or {})}
+    on_failed = exit_on_engine_failure if callable(exit_on_engine_failure) else _exit_process
+    opts = {"on_failed": on_failed if exit_on_engine_failure else None, **(worker_options or {})}
     worker = EngineWorker(engine, max_waiting=max_waiting, queue_timeout=queue_timeout,
                           retry_after=retry_after, **opts)
     metrics = Metrics(worker, table.served_name)

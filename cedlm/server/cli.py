@@ -135,7 +135,7 @@ def sampling_defaults_of(args) -> dict:
     return read(choice)
 
 
-def build_app(args, background_compile: bool = False):
+def build_app(args, background_compile: bool = False, on_engine_failure=None):
     """The server's FastAPI app over a freshly loaded model. background_compile: the compiled
     decode step's graphs are built in a background thread while the engine serves on the same
     step uncompiled (`Engine.compile_in_background`); else they are compiled here, before the
@@ -165,7 +165,7 @@ def build_app(args, background_compile: bool = False):
                       default_max_tokens=getattr(args, "default_max_tokens", 256),
                       allow_remote_images=getattr(args, "allow_remote_images", False),
                       metrics_public=getattr(args, "metrics_public", False),
-                      exit_on_engine_failure=True)
+                      exit_on_engine_failure=on_engine_failure or True)
 
 
 def configure_logging(level: str) -> None:
@@ -235,7 +235,7 @@ def run(args) -> int:
     def build():                        # in a thread, while /health answers "loading"
         import torch
         torch.set_num_threads(args.num_threads)
-        app = build_app(args, background_compile=True)
+        app = build_app(args, background_compile=True, on_engine_failure=engine_failed)
         from cedlm.util import describe_device
         table = app.state.aliases
         print(f"cedlm serve: {table.served_name} (names: {', '.join(table.describe())}) ready on "
@@ -245,6 +245,12 @@ def run(args) -> int:
 
     def on_failed(msg: str) -> None:
         failure.append(msg)
+        server.should_exit = True
+
+    def engine_failed(reason: str) -> None:
+        # a clean shutdown, then exit status 1 below (a SIGTERM to ourselves would end the
+        # process with uvicorn's re-raised signal, status 143, before that)
+        logging.getLogger("cedlm.server").critical("the engine has failed (%s): shutting the server down", reason)
         server.should_exit = True
     starting = StartingApp(build, on_failed)
     config = uvicorn.Config(starting, log_level=args.log_level, http=header_timeout_protocol(args.header_timeout),
