@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--regex", default=None, help="a real regex instead of the added mask delay")
     ap.add_argument("--compile-delay", type=float, default=5.0)
     ap.add_argument("--on-engine-thread", action="store_true")
+    ap.add_argument("--decode-step", default=None, help="compiled (the CPU default), static, eager")
     a = ap.parse_args()
     import httpx
 
@@ -65,7 +66,8 @@ def main() -> None:
     from cedlm.server.app import create_app
     from cedlm.server.constrain import GrammarProcessor
     from test_server import serve
-    llm = LLM("tiny", num_threads=1, kv_budget_bytes=32 << 20, max_num_seqs=8, replay_mode="exact")
+    llm = LLM("tiny", num_threads=1, kv_budget_bytes=32 << 20, max_num_seqs=8, replay_mode="exact",
+              decode_step=a.decode_step)
     app = create_app(llm, served_model_name="m")
     if a.on_engine_thread:
         engine_mod.MASK_WAIT_S = 600.0
@@ -112,7 +114,7 @@ def main() -> None:
         by = threading.Thread(target=lambda: got.setdefault("b", stream(httpx, base)))
         by.start()
         time.sleep(0.3)
-        out: dict = {"case": a.case, "requests": a.requests}
+        out: dict = {"case": a.case, "requests": a.requests, "decode_step": llm.engine.decoder.mode}
         flood = httpx.Client(limits=httpx.Limits(max_connections=a.requests + 4), timeout=600)
         with ThreadPoolExecutor(a.requests) as ex:
             if a.case == "masks":
