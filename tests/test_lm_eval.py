@@ -40,7 +40,7 @@ import pytest
 # environment is set
 for _mod in ("lm_eval", "transformers", "tenacity"):
     if importlib.util.find_spec(_mod) is None:
-        pytest.skip(f"{_mod} is not installed (the test extra: lm_eval[api]==0.4.13)", allow_module_level=True)
+        pytest.skip(f"{_mod} is not installed (the eval extra; ./setup.sh installs it from requirements.lock)", allow_module_level=True)
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 

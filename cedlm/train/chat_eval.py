@@ -3,8 +3,8 @@
 The held-out conversations are built from the validation split (`cedlm.train.chat_data`), so no
 passage was seen in training. For each, the prompt is every message before the last assistant
 turn, rendered by the engine's chat path (`LLM.chat`: the server's encoder), and the reply is
-generated twice: greedy, and with the default sampling of the shipped `generation_config.json`
-(temperature 1, top-p 1, seeded). Reported:
+generated twice: greedy, and by plain sampling (temperature 1, top-p 1, seeded; the server's
+defaults for the shipped model are gentler: docs/serving.md, "Sampling defaults"). Reported:
 
 - `heldout_loss`: teacher-forced cross-entropy (nats/token) on the reference assistant tokens, EOS
   included;

@@ -24,11 +24,13 @@ from cedlm.config import ModelConfig
 from cedlm.config.params import param_counts
 from cedlm.train.card_stages import TABLED, chat_stage, component_stages, joint_pretraining, val
 
-# cedlm's own sampling defaults (cedlm.engine.SamplingParams: temperature 1, top_p 1, top_k off), so
-# transformers' generate() and vLLM (which read this file) sample as cedlm does. A request without
-# a length limit stops after DEFAULT_MAX_NEW_TOKENS: the shipped model rarely emits EOS by itself.
+# The sampling defaults of a request that sets none: `cedlm serve`, vLLM and transformers'
+# generate() read them from this file. Temperature 0.3 with top_p 0.9 gave the small chat model its
+# best held-out replies (docs/serving.md, "Sampling defaults"; plain sampling at temperature 1 is
+# noise from a model this size). A request without a length limit stops after
+# DEFAULT_MAX_NEW_TOKENS: the shipped model rarely emits EOS by itself as a plain-text completer.
 DEFAULT_MAX_NEW_TOKENS = 256
-GENERATION_DEFAULTS = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.3, "top_p": 0.9, "top_k": 0}
 DEFAULT_CORPUS = "data/corpus"           # cedlm.data.corpus.DEFAULT_OUT
 
 FORMATS = {
