@@ -858,6 +858,21 @@ def test_a_slow_grammar_mask_holds_back_only_its_own_request(hostile_app, monkey
     assert gap < 0.5, (gap, gap_alone)
 
 
+def test_samples_sharing_a_slow_grammar_give_the_same_outputs(hostile_app, monkeypatch):
+    """n = 2 seeded samples share one grammar processor; with masks late (rows held back) each
+    sample's output is the one it gets with fast masks."""
+    app, base, _ = hostile_app
+    body = {**CONSTRAINED, "max_tokens": 4, "temperature": 0.9, "seed": 7, "n": 2}
+    fast = _post(base, "/v1/completions", body)
+    assert fast.status_code == 200, fast.text
+    _slow_masks(monkeypatch, 0.3)
+    slow = _post(base, "/v1/completions", body)
+    assert slow.status_code == 200, slow.text
+    texts = lambda r: [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]  # noqa: E731
+    assert texts(slow) == texts(fast)
+    assert engine_idle(app) == (0, 0, 0, 0)
+
+
 def test_a_grammar_mask_past_its_deadline_is_400_naming_the_constraint(hostile_app, monkeypatch):
     from cedlm.server import constrain
     app, base, alone = hostile_app
@@ -867,7 +882,7 @@ def test_a_grammar_mask_past_its_deadline_is_400_naming_the_constraint(hostile_a
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "guided_regex" and err["code"] == "constraint_timeout", err
-    assert "limit of 0.5 s" in err["message"] and gap < 0.3, (gap, err)
+    assert "limit of 0.5 s" in err["message"] and gap < 0.5, (gap, err)
 
 
 # =========================================================================== fair compilation

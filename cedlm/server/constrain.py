@@ -172,7 +172,7 @@ class Grammars:
                 self.masks = MaskWorkers()
             workers = self.masks
         return GrammarProcessor(lambda: llguidance.LLMatcher(lltok, grammar, log_level=0), self.vocab_size,
-                                self.tok.eos_id, gate_id, workers=workers, param=param)
+                                self.tok.eos_id, gate_id, workers=workers, param=param, first=m)
 
 
 class GrammarProcessor:
@@ -194,12 +194,12 @@ class GrammarProcessor:
 
     def __init__(self, factory, vocab_size: int, eos_id: int, gate_id: int | None = None, *,
                  workers: MaskWorkers | None = None, param: str = "response_format",
-                 deadline: float | None = None):
+                 deadline: float | None = None, first=None):
         self.factory, self.V, self.eos, self.gate = factory, int(vocab_size), int(eos_id), gate_id
         self.param = param
         self.deadline = MASK_DEADLINE_S if deadline is None else float(deadline)
         self.workers = workers or default_workers()
-        self.states: dict[tuple, Any] = {(): factory()}
+        self.states: dict[tuple, Any] = {(): first if first is not None else factory()}
         self._job = threading.Lock()             # the matchers: one job at a time
         self._lock = threading.Lock()            # the masks table
         self.masks: OrderedDict[tuple, tuple[Future, float]] = OrderedDict()
