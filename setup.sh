@@ -13,9 +13,9 @@ PIP=(.venv/bin/pip install -q --disable-pip-version-check)
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 
-reachable() {     # $1 answers within 5 s (curl, else Python's urllib)
+reachable() {     # $1's index page answers within 5 s (curl, else Python's urllib)
   if command -v curl >/dev/null 2>&1; then
-    curl -sfI --max-time 5 "$1/" >/dev/null 2>&1
+    curl -sf --max-time 5 -o /dev/null "$1/" 2>/dev/null
   else
     .venv/bin/python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/', timeout=5)" \
       "$1" >/dev/null 2>&1
