@@ -232,6 +232,9 @@ def test_stop_keeps_the_partial_reply_and_the_history(server, page):
     assert after["answer"] == before["answer"] and not after["error"]
     assert len(page.js(STORED)["messages"]) == 4 and page.js("$('log').querySelectorAll('.msg').length") == 4
     assert page.js("[...$('log').querySelectorAll('.msg.assistant button.copy')].length") == 2
+    page.js("[...$('log').querySelectorAll('.msg.assistant')].pop().querySelector('button.copy').click(); true")
+    page.wait("[...$('log').querySelectorAll('.msg.assistant')].pop().querySelector('button.copy').textContent "
+              "=== 'Copied'", timeout=10)
 
 
 XSS = [
