@@ -3,7 +3,8 @@ dispatcher once the compiled module is loaded: what the compiled steps' generate
 
 * Each op has its own CPU kernel beside the Python kernel (CompositeExplicitAutograd) of ops.py.
 * Through the dispatcher, every op gives exactly what its Python kernel gives (bit for bit), for
-  each V4.1 format, batched and strided inputs, and the formats the extension does not code.
+  each V4.1 format, batched, strided and zero-row inputs, and the formats the extension does not
+  code.
 * Routing: while the gate answers "ext" the C++ kernel never calls Python; with the reference
   forced or the torch backend chosen, it calls the Python kernel (a spy registered in its place
   sees the call), and the results follow the switch (the reference's bytes).
@@ -40,7 +41,9 @@ def _cases(seed: int = 0):
         x = r(3, 5, dim) * 4
         out += [("encode", (x, fmt)), ("encode", (x[:, 1:4], fmt)),     # strided rows
                 ("quant_dequant", (x, fmt)), ("quant_dequant", (x.double(), fmt)),
-                ("decode", (ops.encode(x, fmt), fmt, dim))]
+                ("decode", (ops.encode(x, fmt), fmt, dim)),
+                ("encode", (x[:, :0], fmt)), ("quant_dequant", (x[:, :0], fmt)),   # zero rows
+                ("decode", (ops.encode(x, fmt)[:, :0], fmt, dim))]
     out.append(("encode", (r(2, 256), "bf16")))                         # not an extension format
     B, T, H, hd, N, W, k, R = 2, 3, 4, 128, 37, 6, 5, 40
     raw = ops.encode(r(B, N, hd), "index_fp4")

@@ -89,14 +89,21 @@ def encode(x: Tensor, fmt: str) -> Tensor:
         return codecs.encode(x, fmt)
     mod, kind, block = ext
     dim = x.shape[-1]
-    return mod.encode(x.reshape(-1, dim).float().contiguous(), kind, block).view(*x.shape[:-1], -1)
+    if not x.numel():                         # zero rows (an entry-less chunk): nothing to code
+        return torch.empty(*x.shape[:-1], _width(fmt, dim), dtype=torch.uint8, device=x.device)
+    return mod.encode(x.reshape(-1, dim).float().contiguous(), kind, block).view(*x.shape[:-1],
+                                                                                 _width(fmt, dim))
+
+
+def _width(fmt: str, dim: int) -> int:
+    """Bytes of one encoded row (stated, so that zero rows keep their shape)."""
+    from cedlm.quant import formats as F
+    return F.bytes_per_entry(F.get_format(fmt), dim)
 
 
 @_fake("encode")
 def _(x, fmt):
-    from cedlm.quant import formats as F
-    return x.new_empty(*x.shape[:-1], F.bytes_per_entry(F.get_format(fmt), x.shape[-1]),
-                       dtype=torch.uint8)
+    return x.new_empty(*x.shape[:-1], _width(fmt, x.shape[-1]), dtype=torch.uint8)
 
 
 @_impl("decode")
@@ -105,6 +112,8 @@ def decode(b: Tensor, fmt: str, dim: int) -> Tensor:
     if ext is None:
         return codecs.decode(b, fmt, dim)
     mod, kind, block = ext
+    if not b.numel():
+        return torch.empty(*b.shape[:-1], dim, dtype=torch.float32, device=b.device)
     return mod.decode(b.reshape(-1, b.shape[-1]).contiguous(), kind, dim, block).view(*b.shape[:-1], dim)
 
 
@@ -119,6 +128,8 @@ def quant_dequant(x: Tensor, fmt: str) -> Tensor:
     if ext is None:
         return codecs.quant_dequant(x, fmt).float().clone()
     mod, kind, block = ext
+    if not x.numel():
+        return x.float().clone()
     return mod.quant_dequant(x.reshape(-1, x.shape[-1]).float().contiguous(), kind, block).view(x.shape)
 
 

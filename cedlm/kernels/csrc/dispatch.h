@@ -83,7 +83,7 @@ inline at::Tensor k_encode(const at::Tensor& x, c10::string_view fmt) {
     return call_python<at::Tensor>("encode", x, str(fmt));
   const int64_t dim = x.size(-1);
   at::Tensor out = encode(x.reshape({-1, dim}).to(at::kFloat).contiguous(), kb.first, kb.second);
-  return out.view(with_last(x, -1));
+  return out.view(with_last(x, out.size(-1)));   // stated: zero rows keep their width
 }
 
 inline at::Tensor k_decode(const at::Tensor& b, c10::string_view fmt, int64_t dim) {
