@@ -52,20 +52,50 @@ def hostile_app():
         yield app, base, alone
 
 
-def beside_bystander(app, base, alone, hostile):
+MAX_GAP_S = 1.0         # the bystander's longest gap between tokens beside any hostile request
+
+
+def beside_bystander(app, base, alone, hostile, max_gap: float = MAX_GAP_S):
     """Run hostile() while the bystander streams; returns hostile()'s result after checking that
-    the server lives, the bystander's text equals `alone` and the KV blocks are back at 0."""
+    the server lives, the bystander's text equals `alone`, its longest gap between tokens is
+    under `max_gap` seconds and the KV blocks are back at 0."""
+    return beside_timed_bystander(app, base, alone, hostile, max_gap)[0]
+
+
+def _stream_timed(base: str, body: dict | None = None) -> tuple[str, float]:
+    """The bystander's streamed text and its longest gap between tokens (seconds, from its first)."""
+    import time
+    parts, last, gap = [], None, 0.0
+    with httpx.stream("POST", f"{base}/v1/completions", json=body or BYSTANDER, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ev = json.loads(line[6:])
+                assert "error" not in ev, ev
+                now = time.monotonic()
+                if last is not None:
+                    gap = max(gap, now - last)
+                last = now
+                parts.extend(c["text"] for c in ev["choices"])
+    return "".join(parts), gap
+
+
+def beside_timed_bystander(app, base, alone, hostile, max_gap: float = MAX_GAP_S):
+    """beside_bystander, also returning the bystander's longest gap between tokens."""
     got: dict = {}
-    th = threading.Thread(target=lambda: got.setdefault("text", _stream_text(base)))
+    th = threading.Thread(target=lambda: got.setdefault("r", _stream_timed(base)))
     th.start()
     try:
         result = hostile()
     finally:
         th.join(120)
-    assert got.get("text") == alone, "the bystander's stream changed"
+    text, gap = got.get("r", (None, None))
+    assert text == alone, "the bystander's stream changed"
+    print(f"bystander's longest gap {gap:.3f} s")
+    assert gap < max_gap, f"the bystander waited {gap:.2f} s between two tokens"
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200
     assert engine_idle(app) == (0, 0, 0, 0)
-    return result
+    return result, gap
 
 
 def deep_defs(n: int) -> dict:
@@ -785,40 +815,6 @@ def test_a_large_but_bounded_repetition_still_compiles(hostile_app):
 
 
 # =========================================================================== constraint masks off the engine thread
-
-
-def _stream_timed(base: str, body: dict | None = None) -> tuple[str, float]:
-    """The bystander's streamed text and its longest gap between tokens (seconds, from its first)."""
-    import time
-    parts, last, gap = [], None, 0.0
-    with httpx.stream("POST", f"{base}/v1/completions", json=body or BYSTANDER, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                ev = json.loads(line[6:])
-                assert "error" not in ev, ev
-                now = time.monotonic()
-                if last is not None:
-                    gap = max(gap, now - last)
-                last = now
-                parts.extend(c["text"] for c in ev["choices"])
-    return "".join(parts), gap
-
-
-def beside_timed_bystander(app, base, alone, hostile):
-    """beside_bystander, also returning the bystander's longest gap between tokens."""
-    got: dict = {}
-    th = threading.Thread(target=lambda: got.setdefault("r", _stream_timed(base)))
-    th.start()
-    try:
-        result = hostile()
-    finally:
-        th.join(120)
-    text, gap = got.get("r", (None, None))
-    assert text == alone, "the bystander's stream changed"
-    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
-    assert engine_idle(app) == (0, 0, 0, 0)
-    return result, gap
 
 
 def _slow_masks(monkeypatch, seconds: float, first_too: bool = False):
