@@ -622,25 +622,38 @@ def test_logit_bias_of_4001_digits_is_400_naming_the_field(hostile_app):
 
 
 def test_too_many_messages_are_refused_before_validation(hostile_app):
-    """220,000 empty messages (6 MB) are a 400 naming the limit after a length check, not 7 s of
-    validating every message before the prompt limit refused them."""
+    """220,000 empty messages (6 MB) are a 400 before the body is parsed (more JSON objects than
+    MAX_CONTAINERS, counted on the raw bytes: the parser would build every one holding the GIL);
+    5,000 are a 400 naming the message limit after a length check, not seconds of validating
+    every message before the prompt limit refused them."""
     import time
 
+    from cedlm.server.body_guard import MAX_CONTAINERS
     from cedlm.server.protocol import MAX_MESSAGES
     app, base, alone = hostile_app
-    msgs = ",".join(['{"role":"user","content":""}'] * 220_000)
-    for path, body in (("/v1/chat/completions", '{"model":"%s","max_tokens":1,"messages":[%s]}' % (MODEL, msgs)),
-                       ("/tokenize", '{"model":"%s","messages":[%s]}' % (MODEL, msgs)),
-                       ("/v1/responses", '{"model":"%s","input":[%s]}' % (MODEL, msgs))):
-        t0 = time.monotonic()
-        r = beside_bystander(app, base, alone, lambda: _post(base, path, body))
-        took = time.monotonic() - t0
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert f"at most {MAX_MESSAGES}" in err["message"] and err["param"] in ("messages", "input"), err
-        assert took < 20, took                 # with the bystander; the refusal itself is well under 1 s
+    for n, words in ((220_000, f"more than the limit of {MAX_CONTAINERS}"), (5_000, f"at most {MAX_MESSAGES}")):
+        msgs = ",".join(['{"role":"user","content":""}'] * n)
+        for path, body in (("/v1/chat/completions", '{"model":"%s","max_tokens":1,"messages":[%s]}' % (MODEL, msgs)),
+                           ("/tokenize", '{"model":"%s","messages":[%s]}' % (MODEL, msgs)),
+                           ("/v1/responses", '{"model":"%s","input":[%s]}' % (MODEL, msgs))):
+            t0 = time.monotonic()
+            r = beside_bystander(app, base, alone, lambda: _post(base, path, body))
+            took = time.monotonic() - t0
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert words in err["message"], err
+            assert err["param"] in ("messages", "input") if n == 5_000 else err["code"] == "too_many_values", err
+            assert took < 20, took                 # with the bystander; the refusal itself is well under 1 s
     few = [{"role": "user", "content": "hi"}] * 3
     assert _post(base, "/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": few}).status_code == 200
+
+
+def test_json_containers_are_counted_outside_strings():
+    from cedlm.server.protocol.json_depth import containers_over
+    assert containers_over(b'{"a": [1, {"b": []}], "s": "[[[{{{"}', 3) == 4
+    assert containers_over(b'{"a": [1, {"b": []}], "s": "[[[{{{"}', 4) is None
+    tricky = json.dumps(["\\", ['"[', {}]]).encode()            # an escaped quote, then a bracket in a string
+    assert containers_over(tricky, 2) == 3
 
 
 def test_a_recursion_error_while_handling_a_request_is_a_400(hostile_app, monkeypatch):
