@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse, Response
 
 from cedlm.engine.sampling_params import SamplingParams
 from cedlm.server.errors import APIError
-from cedlm.server.images import chat_images, expanded_len, run_image_work
+from cedlm.server.images import chat_images_async, expanded_len
 from cedlm.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChoiceLogprobs, CompletionTokensDetails, DeltaMessage, PromptTokensDetails,
@@ -186,8 +186,8 @@ async def chat_job(srv: ServerState, body: ChatCompletionRequest) -> ChatJob:
                             "token ids", param="messages")
     thinking, effort = body.resolve_thinking()
     ids = await srv.tokenize(lambda: encode_messages(srv, body, thinking, effort))
-    images = await run_image_work(getattr(srv, "images", None), lambda: chat_images(getattr(srv, "images", None),
-                                                    [m.model_dump(exclude_none=True) for m in body.messages]))
+    messages = await srv.tokenize(lambda: [m.model_dump(exclude_none=True) for m in body.messages])
+    images = await chat_images_async(getattr(srv, "images", None), messages)     # in the image lane
     prompt_ids = ids
     if images:              # the placeholders become spans: the prompt length the engine will see
         ids = ids + [0] * (expanded_len(len(ids), images) - len(ids))

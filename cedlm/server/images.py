@@ -11,7 +11,7 @@ of them together against `max_request_pixels`, before any pixel is decoded. Ever
 a 400 naming the part and the limit (size, pixels, count, format, corrupt/truncated data); a
 model without a vision tower answers 400 for any image.
 
-Image work has its own lane (`run_image_work`): decoding, preprocessing and the vision tower run
+Image work has its own lane (`chat_images_async`): decoding, preprocessing and the vision tower run
 in the server's image thread (`IMAGE_THREADS`), never on the event loop, in the shared thread
 pool or on the engine thread: the tower's span embeddings go to the engine with the image
 (`PreparedImage.embeds`), so a request with many large images costs one core of image work and
@@ -23,7 +23,7 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import Callable
 
 from cedlm.server.errors import APIError
 from cedlm.server.remote_images import FetchError, fetch, public_address
@@ -31,7 +31,6 @@ from cedlm.text.images import (ImageError, ImageLimits, decode_data_url, decode_
                                preprocess)
 
 IMAGE_THREADS = 1
-T = TypeVar("T")
 
 
 @dataclass
@@ -73,11 +72,12 @@ def _tower(model, im):
                             im.llm_grid)
 
 
-async def run_image_work(opts: ImageOptions | None, fn: Callable[[], T]) -> T:
-    """Run fn (a request's image work) in the image lane, off the event loop and the shared pool."""
-    if opts is None:
-        return fn()
-    return await asyncio.wrap_future(opts.lane().submit(fn))
+async def chat_images_async(opts: ImageOptions | None, messages: list[dict]) -> list:
+    """`chat_images` in the image lane, off the event loop and the shared pool; a request without
+    images never waits there."""
+    if opts is None or opts.vision is None or not message_images(messages):
+        return chat_images(opts, messages)         # nothing to decode: [] or the 400, at once
+    return await asyncio.wrap_future(opts.lane().submit(chat_images, opts, messages))
 
 
 def _fetch(url: str, opts: ImageOptions) -> bytes:
