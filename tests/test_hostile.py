@@ -637,7 +637,8 @@ def test_too_many_messages_are_refused_before_validation(hostile_app):
                            ("/tokenize", '{"model":"%s","messages":[%s]}' % (MODEL, msgs)),
                            ("/v1/responses", '{"model":"%s","input":[%s]}' % (MODEL, msgs))):
             t0 = time.monotonic()
-            r = beside_bystander(app, base, alone, lambda: _post(base, path, body))
+            r = (beside_bystander(app, base, alone, lambda: _post(base, path, body)) if n > MAX_CONTAINERS
+                 else _post(base, path, body))
             took = time.monotonic() - t0
             assert r.status_code == 400, r.text
             err = r.json()["error"]
