@@ -250,12 +250,30 @@ const [BASE, PAGE, EFFORT] = process.argv.slice(2);
 class El {
   constructor(tag) { this.tag = tag; this.value = ""; this.textContent = ""; this.children = [];
                      this.listeners = {}; this.hidden = false; this.files = []; this.className = "";
-                     this.classes = new Set(); this.classList = { add: (c) => this.classes.add(c) }; }
+                     this.dataset = {}; this.style = {}; this.attrs = {}; this.classes = new Set();
+                     this.classList = { add: (...c) => c.forEach((x) => this.classes.add(x)),
+                                        remove: (...c) => c.forEach((x) => this.classes.delete(x)),
+                                        contains: (c) => this.classes.has(c),
+                                        toggle: (c, on) => ((on ?? !this.classes.has(c))
+                                          ? this.classes.add(c) : this.classes.delete(c)) }; }
   set innerHTML(v) { if (v === "") this.children = []; else this.inner = v; }
-  appendChild(c) { this.children.push(c); if (this.id === "model" && !this.value) this.value = c.value; return c; }
-  append(...cs) { for (const c of cs) this.children.push(c); }
+  get innerHTML() { return this.inner || ""; }
+  appendChild(c) { this.children.push(c); c.parentNode = this;
+                   if (this.id === "model" && !this.value) this.value = c.value; return c; }
+  append(...cs) { for (const c of cs) this.appendChild(c); }
+  prepend(...cs) { this.children.unshift(...cs); }
+  insertBefore(c) { this.children.unshift(c); return c; }
+  removeChild(c) { this.children = this.children.filter((x) => x !== c); return c; }
+  remove() { if (this.parentNode) this.parentNode.removeChild(this); }
+  replaceChildren(...cs) { this.children = []; this.append(...cs); }
+  setAttribute(k, v) { this.attrs[k] = v; }
+  getAttribute(k) { return this.attrs[k] ?? null; }
+  removeAttribute(k) { delete this.attrs[k]; }
   addEventListener(type, fn) { this.listeners[type] = fn; }
   querySelector() { return this.pre || (this.pre = new El("pre")); }
+  querySelectorAll() { return []; }
+  scrollIntoView() {}
+  focus() {}
   requestSubmit() { this.listeners.submit({ preventDefault() {} }); }
 }
 const els = {};
@@ -276,7 +294,8 @@ eval(require("fs").readFileSync(PAGE, "utf8"));
   for (let i = 0; i < 2400 && $("send").textContent === "Stop"; i++) await new Promise((r) => setTimeout(r, 25));
   const out = $("log").children[$("log").children.length - 1];
   const [details, answer, stats] = out.children;
-  console.log(JSON.stringify({ model: $("model").value, answer: answer.textContent, stats: stats.textContent,
+  // the answer as streamed (the page draws it as markdown and keeps the raw text beside it)
+  console.log(JSON.stringify({ model: $("model").value, answer: answer.dataset.raw, stats: stats.textContent,
                                reasoning: details.querySelector("pre").textContent,
                                error: out.classes.has("error"), reasoningShown: !details.hidden }));
 })();
