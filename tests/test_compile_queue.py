@@ -154,3 +154,23 @@ def test_one_client_leaves_a_compiler_to_the_others():
         await asyncio.gather(*greedy)
         return waited
     assert run(go()) < 0.5 and q.pending == 0 and not q.running
+
+
+def test_one_of_two_identical_requests_going_away_leaves_the_other_its_compilation():
+    fake = FakeCompiler()
+    q = CompileQueue(fake, workers=1)
+
+    async def go():
+        busy = asyncio.ensure_future(q.compile("p", "regex", "first", "a"))
+        await asyncio.sleep(0.05)
+        gone = asyncio.Event()
+        leaving = asyncio.ensure_future(q.compile("p", "regex", "same", "b", gone.wait))
+        staying = asyncio.ensure_future(q.compile("p", "regex", "same", "c"))
+        await asyncio.sleep(0.05)
+        gone.set()
+        with pytest.raises(ClientGone):
+            await leaving
+        fake.gate.set()
+        return await busy, await staying
+    assert run(go()) == ("g:first", "g:same")
+    assert fake.calls == ["first", "same"] and q.counters["cancelled"] == 0 and q.pending == 0

@@ -60,6 +60,25 @@ class _Job:
         self.users = 1                      # requests waiting on it (identical constraints share it)
 
 
+def _waiter(future: Future) -> asyncio.Future:
+    """An asyncio future that follows `future` (its result, exception or cancellation), and whose
+    own cancellation leaves `future` alone (asyncio.wrap_future would cancel it)."""
+    loop = asyncio.get_running_loop()
+    out = loop.create_future()
+
+    def copy(f: Future) -> None:
+        if out.done():
+            return
+        if f.cancelled():
+            out.cancel()
+        elif f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            out.set_result(f.result())
+    future.add_done_callback(lambda f: loop.call_soon_threadsafe(copy, f))
+    return out
+
+
 def constraint_key(kind: str, value: Any) -> str:
     return hashlib.sha256(json.dumps([kind, value], sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
@@ -158,7 +177,7 @@ class CompileQueue:
         if hit is not None:
             return hit
         job = self.submit(param, kind, value, client, key)
-        waiter = asyncio.ensure_future(asyncio.wrap_future(job.future))
+        waiter = _waiter(job.future)          # cancelling it never cancels the job others may share
         watcher = asyncio.ensure_future(gone()) if gone is not None else None
         try:
             if watcher is not None:
@@ -169,9 +188,11 @@ class CompileQueue:
         finally:
             if watcher is not None:
                 watcher.cancel()
+                if watcher.done() and not watcher.cancelled():
+                    watcher.exception()        # retrieved: a receive that failed means gone too
             if not job.future.done():
                 self.leave(job)
-                waiter.cancel()
+            waiter.cancel()
         if kind_ == "error":
             raise GrammarError(param, text)
         return text
