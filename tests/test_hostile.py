@@ -893,6 +893,14 @@ def test_a_grammar_mask_past_its_deadline_is_400_naming_the_constraint(hostile_a
     err = r.json()["error"]
     assert err["param"] == "guided_regex" and err["code"] == "constraint_timeout", err
     assert "limit of 0.5 s" in err["message"] and gap < 0.5, (gap, err)
+    events = []                             # streaming: the tokens so far, then an error event naming it
+    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0,
+            "stream": True, "response_format": {"type": "json_object"}}) as s:
+        assert s.status_code == 200
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "constraint_timeout" and events[-1]["error"]["param"] == "response_format"
+    assert engine_idle(app) == (0, 0, 0, 0)
 
 
 # =========================================================================== fair compilation
