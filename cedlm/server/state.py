@@ -27,7 +27,6 @@ import time
 import dataclasses
 from typing import Any, Callable, TypeVar
 
-from starlette.concurrency import run_in_threadpool
 
 from cedlm.engine.sampling_params import SamplingParams
 from cedlm.server import lanes
@@ -40,6 +39,7 @@ from cedlm.server.sampling_defaults import NEUTRAL
 from cedlm.server.worker import EngineWorker
 from cedlm.text.chat import THINK_END
 
+TOKENIZE_THREADS = 8          # tokenizing threads at once (their own lane; see ServerState.tokenize)
 DEFAULT_MAX_TOKENS = 256      # `cedlm serve --default-max-tokens`: returns in seconds on a 2-core CPU
 
 
@@ -81,13 +81,19 @@ class ServerState:
         snap = engine.snapshot()
         self.pool_tokens, self.max_num_seqs = snap.pool_tokens, snap.max_num_seqs
         self.created = int(time.time())
+        self._tokenize_lane = None                 # anyio.CapacityLimiter, made in the event loop
         self.max_token_chars = _max_token_chars(tokenizer) if tokenizer is not None else None
         if tokenizer is not None and hasattr(tokenizer, "encode_plain"):
             tokenizer.encode_plain("")         # build the plain encoder now, not in a request
 
     async def tokenize(self, fn: Callable[[], T]) -> T:
-        """Run a tokenizing (or grammar-compiling) function off the event loop."""
-        return await run_in_threadpool(fn)
+        """Run a tokenizing function (or building a request's matchers) off the event loop, in its
+        own lane: at most TOKENIZE_THREADS at once, apart from the thread pool everything else
+        shares (constraints compile in their own queue, images in their own thread)."""
+        import anyio
+        if self._tokenize_lane is None:
+            self._tokenize_lane = anyio.CapacityLimiter(TOKENIZE_THREADS)
+        return await anyio.to_thread.run_sync(fn, limiter=self._tokenize_lane)
 
     def check_chars(self, n_chars: int, param: str) -> None:
         """Refuse, before tokenizing, a text too long to fit the prompt limit in any case."""
