@@ -599,7 +599,7 @@ def test_warning_when_binding_beyond_loopback_without_api_key(capsys, monkeypatc
     assert args.max_body_bytes == 1 << 20 and args.max_prompt_tokens == 100
     monkeypatch.delenv("CEDLM_API_KEY", raising=False)
 
-    def no_build(a, background_compile=False):
+    def no_build(a, background_compile=False, on_engine_failure=None):
         raise ValueError("model: not loaded in this test")
 
     monkeypatch.setattr(cli, "build_app", no_build)
