@@ -607,3 +607,27 @@ def test_warning_when_binding_beyond_loopback_without_api_key(capsys, monkeypatc
     err = capsys.readouterr().err
     assert "WARNING" in err and "cedlm serve: error: model: not loaded in this test" in err
 
+
+
+def test_serve_exits_with_status_1_when_the_engine_fails_for_good(monkeypatch, capsys):
+    """The engine's failure callback shuts the server down cleanly and `cedlm serve` exits 1 (a
+    SIGTERM to itself would end the process with uvicorn's re-raised signal, status 143)."""
+    import argparse
+    from types import SimpleNamespace
+    from starlette.applications import Starlette
+    from cedlm.server import cli
+    p = argparse.ArgumentParser()
+    cli.add_parser(p.add_subparsers())
+    args = p.parse_args(["serve", "--port", "0"])
+
+    def build(a, background_compile=False, on_engine_failure=None):
+        app = Starlette()
+        app.state.worker = SimpleNamespace(failed="the engine loop crashed 3 times")
+        app.state.aliases = SimpleNamespace(served_name="m", describe=lambda: ["m"])
+        app.state.engine = SimpleNamespace(device="cpu", decoder=SimpleNamespace(active_mode="static"))
+        threading.Timer(0.5, on_engine_failure, ["the engine loop crashed 3 times"]).start()
+        return app
+
+    monkeypatch.setattr(cli, "build_app", build)
+    assert cli.run(args) == 1
+    assert "cedlm serve: the engine failed: the engine loop crashed 3 times" in capsys.readouterr().err
