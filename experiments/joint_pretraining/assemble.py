@@ -6,7 +6,10 @@ and the evaluations, with a summary.json the model card is generated from.
 
 The spec (`ship.json`) names, relative to the repository root:
     stages    the joint run's stages in order: {"stage", "run" (a `cedlm train pretrain` run dir),
-              "mixture" (its mixture file), "threads"}; the last one's export is the text model
+              "mixture" (its mixture file), "threads"}; the last one's export is the text model.
+              A stage without "run" is one of `previous`'s: its row as that model recorded it
+    previous  (optional) the shipped directory the first new stage started from (`--init-from`):
+              its summary.json gives the rows of the stages trained before
     text      that export (`cedlm export RUN DIR`)
     dspark    the `cedlm train dspark` run trained against it (its export/ adds mtp.safetensors)
     vision    the `cedlm train vision` run trained against it (its export/ adds vision.safetensors
@@ -57,7 +60,14 @@ def stage_rows(spec: dict, root: Path) -> list[dict]:
     elapsed time carries over resumes), the mixture's row shares and the lengths of its curriculum
     that the stage reached."""
     rows = []
+    prev = ({r["stage"]: r for r in _json(root / spec["previous"] / "summary.json")["joint_stages"]}
+            if spec.get("previous") else {})
     for st in spec["stages"]:
+        if "run" not in st:                # trained before `previous` was shipped
+            if st["stage"] not in prev:
+                raise SystemExit(f"error: stage {st['stage']} has no run and is not in {spec.get('previous')}")
+            rows.append(prev[st["stage"]])
+            continue
         run = root / st["run"]
         step = _json(run / "checkpoint" / "training_args.json")["step"]
         recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]

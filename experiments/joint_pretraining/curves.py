@@ -3,9 +3,12 @@ and every 10th step, with the keys below) and one plot (validation perplexity, h
 answer accuracy, training answer / copy accuracy, indexer recall), stage after stage.
 
     .venv/bin/python experiments/joint_pretraining/curves.py OUT_DIR RUN_DIR [RUN_DIR ...]
+    .venv/bin/python experiments/joint_pretraining/curves.py OUT_DIR --after CURVES.jsonl RUN_DIR ...
 
 Each RUN_DIR is a `cedlm train pretrain` run directory (its `metrics.jsonl`); a later one is a
 stage started with `--init-from` the one before, so its steps are drawn after the earlier ones'.
+`--after` starts from the rows of an earlier output (the stages trained before a shipped model
+whose run directories are gone) and draws the RUN_DIRs after them.
 """
 from __future__ import annotations
 
@@ -27,13 +30,23 @@ def load(run: Path) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
+    before: list[dict] = []
+    if len(argv) > 2 and argv[1] == "--after":
+        before = [json.loads(l) for l in Path(argv[2]).read_text().splitlines() if l.strip()]
+        argv = argv[:1] + argv[3:]
     if len(argv) < 2:
-        print("usage: curves.py OUT_DIR RUN_DIR [RUN_DIR ...]", file=sys.stderr)
+        print("usage: curves.py OUT_DIR [--after CURVES.jsonl] RUN_DIR [RUN_DIR ...]", file=sys.stderr)
         return 2
     out = Path(argv[0])
     out.mkdir(parents=True, exist_ok=True)
-    rows, offset, tok_offset, bounds = [], 0, 0, []
-    for i, run in enumerate(map(Path, argv[1:])):
+    rows, offset, tok_offset, bounds = list(before), 0, 0, []
+    first = 0
+    if before:
+        first = before[-1]["stage"] + 1
+        offset, tok_offset = before[-1]["global_step"], before[-1]["global_tokens"]
+        bounds = [max(r["global_step"] for r in before if r["stage"] == st)
+                  for st in sorted({r["stage"] for r in before})]
+    for i, run in enumerate(map(Path, argv[1:]), start=first):
         recs = load(run)
         for r in recs:
             keep = "val_ppl" in r or r["step"] % 10 == 0 or r is recs[-1]
