@@ -404,3 +404,19 @@ def test_engine_warm_up_runs_in_its_pool_and_frees_it(shipped):
     finally:
         eng.decoder.compile = False
     assert set(done) == {"1", ">= 2"} and eng.pool.num_free == free
+
+
+def test_compile_opt_level_knob(monkeypatch):
+    """CEDLM_COMPILE_OPT's level replaces inductor's -O3 in the C++ builds (the default O3 leaves
+    inductor's flags alone); the steps compile without line tables."""
+    from torch._inductor import cpp_builder
+    from cedlm.model import compiled_step
+    orig = cpp_builder._get_optimization_cflags
+    monkeypatch.setattr(cpp_builder, "_get_optimization_cflags", orig)
+    monkeypatch.setattr(compiled_step, "OPT_LEVEL", "O3")
+    compiled_step._opt_level_flags()
+    assert cpp_builder._get_optimization_cflags is orig
+    monkeypatch.setattr(compiled_step, "OPT_LEVEL", "O2")
+    compiled_step._opt_level_flags()
+    cflags, _ = cpp_builder._get_optimization_cflags("g++")
+    assert "O2" in cflags and "O3" not in cflags

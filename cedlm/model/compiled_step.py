@@ -81,6 +81,40 @@ def own_copy(fn):
                               fn.__closure__)
 
 
+# The optimisation level of the C++ inductor generates for the steps (CEDLM_COMPILE_OPT: O1, O2,
+# O3, the default, inductor's own). Measured on the shipped model's batch-1 decode graph
+# (bench/scripts/compile_cost.py, docs/development.md): g++ takes 214 CPU-seconds at -O3 with line
+# tables, 202 without (the steps drop them), 61 at -O2 and 33 at -O1, but the -O2 graph decodes
+# about 1.25x slower, so -O3 stays the default and -O2 is a knob for a machine that compiles
+# often.
+OPT_LEVEL = os.environ.get("CEDLM_COMPILE_OPT", "O3").strip().upper().lstrip("-") or "O3"
+if OPT_LEVEL not in ("O1", "O2", "O3"):
+    raise ValueError(f"CEDLM_COMPILE_OPT: {OPT_LEVEL!r} is not one of O1, O2, O3")
+
+
+def _opt_level_flags() -> None:
+    """Make inductor's C++ builds use OPT_LEVEL in place of -O3 (once per process; torch's
+    `cpp_builder._get_optimization_cflags`, pinned with torch 2.13.0; left alone if it moved)."""
+    if OPT_LEVEL == "O3":
+        return
+    try:
+        from torch._inductor import cpp_builder
+    except ImportError:
+        return
+    orig = getattr(cpp_builder, "_get_optimization_cflags", None)
+    if orig is None or getattr(orig, "cedlm_opt", None) == OPT_LEVEL:
+        return
+    orig = getattr(orig, "original", orig)
+    level = OPT_LEVEL
+
+    def flags(cpp_compiler, min_optimize=False):
+        cflags, ldflags = orig(cpp_compiler, min_optimize)
+        return [level if f == "O3" else f for f in cflags], ldflags
+
+    flags.cedlm_opt, flags.original = level, orig
+    cpp_builder._get_optimization_cflags = flags
+
+
 def compile_step(device, fn=None, one_row_products: bool = False):
     """`fn` (default `model.decode_step`; a copy of its own, `own_copy`) through torch.compile for
     a model on `device`: the decode step's graphs (`one_row_products`), the verify step's
@@ -89,6 +123,9 @@ def compile_step(device, fn=None, one_row_products: bool = False):
         return torch.compile(own_copy(fn or decode_step), backend=BACKEND, fullgraph=True,
                              options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
     options = {}
+    if torch.device(device).type == "cpu":
+        _opt_level_flags()
+        options["aot_inductor.enable_line_tables"] = False
     if one_row_products and torch.device(device).type == "cpu":
         # The decode step's one-row products (batch 1) as multiply-and-sum loops that inductor
         # generates and fuses with their neighbours, not calls of MKL's matrix-vector product:
