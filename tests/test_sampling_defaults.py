@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 from cedlm.engine.loader import DEFAULT_MODEL  # noqa: E402
 from cedlm.server.cli import sampling_defaults_of  # noqa: E402
 from cedlm.server.constrain import MinPProcessor  # noqa: E402
-from cedlm.server.sampling_defaults import NEUTRAL, describe, read  # noqa: E402
+from cedlm.engine.sampling_defaults import NEUTRAL, describe, read  # noqa: E402
 from cedlm.train.model_card import GENERATION_DEFAULTS  # noqa: E402
 
 
@@ -100,3 +100,17 @@ def test_a_request_without_temperature_is_greedy_under_a_greedy_default(apps):
         r = c.post("/v1/responses", json={"model": "m", "input": "Hi", "max_output_tokens": 4})
         assert r.status_code == 200, r.text
         assert r.json()["temperature"] == 0.0
+
+
+def test_llm_without_sampling_params_uses_the_model_defaults(tmp_path):
+    """`LLM.generate` / `chat` given no sampling parameters sample with the model directory's
+    generation_config.json (its temperature, top_p, top_k, repetition_penalty), as vLLM's LLM does;
+    a preset has none."""
+    from cedlm import LLM, SamplingParams
+    llm = LLM(decode_step="static")
+    sp = llm.default_sampling_params()
+    assert (sp.temperature, sp.top_p) == (read(DEFAULT_MODEL)["temperature"], read(DEFAULT_MODEL)["top_p"])
+    assert sp.max_tokens == SamplingParams().max_tokens
+    out = llm.generate("It is a truth", None)[0]
+    assert out.outputs[0].token_ids == out.token_ids
+    assert LLM("tiny").default_sampling_params() == SamplingParams()

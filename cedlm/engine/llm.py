@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from cedlm.engine.args import EngineArgs
 from cedlm.engine.engine import Engine
-from cedlm.engine.loader import load, model_device
+from cedlm.engine.loader import DEFAULT_MODEL, load, model_device
 from cedlm.engine.output import StepOutput
 from cedlm.engine.request import Request, TokenLogprob, select_samples
+from cedlm.engine.sampling_defaults import read as read_generation_config
 from cedlm.engine.sampling_params import SamplingParams
 from cedlm.model import CEDModel
 
@@ -120,6 +122,11 @@ class LLM:
         dev = None if a.device is None and isinstance(model, CEDModel) else a.resolved_device()
         self.model, self.tokenizer = load(model, tokenizer, a.seed, device=dev, engram_mmap=a.engram_mmap)
         self.device = model_device(self.model)
+        # what generate / chat sample with when given no sampling parameters: the model
+        # directory's generation_config.json (as `cedlm serve` and vLLM's LLM do); none for a
+        # preset or a CEDModel
+        directory = DEFAULT_MODEL if model is None else model if isinstance(model, (str, Path)) else None
+        self.generation_defaults = read_generation_config(directory) if directory is not None else {}
         store = a.store
         if isinstance(store, str):
             from cedlm.cache.store import StoreConnectionError, open_store
@@ -135,6 +142,13 @@ class LLM:
         # a compiled decode step's graphs are built in the background: the first generate runs
         # the same step uncompiled instead of waiting minutes for the compiler
         self.engine.compile_in_background()
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of a call that gives none: `SamplingParams()` with the model's
+        generation_config.json values (temperature, top_p, top_k, repetition_penalty; its min_p is
+        a logits processor of `cedlm serve`'s, which this API does not build)."""
+        fields = {f.name for f in dataclasses.fields(SamplingParams)}
+        return SamplingParams(**{k: v for k, v in self.generation_defaults.items() if k in fields})
 
     def encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -152,7 +166,7 @@ class LLM:
         single = isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int))
         if single:
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.default_sampling_params()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} for {len(prompts)} prompts")
@@ -162,7 +176,7 @@ class LLM:
         try:
             for p, sp in zip(prompts, params):
                 p, images = _split_images(p)
-                groups.append(self.engine.add_samples(self.encode(p), sp or SamplingParams(),
+                groups.append(self.engine.add_samples(self.encode(p), sp or self.default_sampling_params(),
                                                       images=images))
                 got.update((r.request_id, _Collected(r.sample_index)) for r in groups[-1])
             reqs = [r for g in groups for r in g]
@@ -181,7 +195,8 @@ class LLM:
         dt = time.monotonic() - t0
         outs = []
         for p, sp, g in zip(prompts, params, groups):
-            lead, sp = g[0], sp or SamplingParams()
+            lead = g[0]
+            sp = sp or lead.params
             samples = select_samples([got[r.request_id].output(r.params) for r in g], sp.n)
             first = samples[0]
             p = _split_images(p)[0]

@@ -109,7 +109,7 @@ def add_parser(sub) -> None:
     p.add_argument("--generation-config", "--generation_config", dest="generation_config", default="auto",
                    help="sampling defaults for requests that leave them unset: 'auto' (the model "
                         "directory's generation_config.json), 'none' (temperature 1, top_p 1), or a "
-                        "directory or file (server/sampling_defaults.py)")
+                        "directory or file (engine/sampling_defaults.py)")
     p.add_argument("--header-timeout", "--header_timeout", dest="header_timeout", type=float, default=10.0,
                    help="seconds a client may take to send a request's headers; then the connection is "
                         "closed (default 10; server/header_timeout.py)")
@@ -124,7 +124,7 @@ def sampling_defaults_of(args) -> dict:
     from pathlib import Path
 
     from cedlm.engine.loader import DEFAULT_MODEL
-    from cedlm.server.sampling_defaults import read
+    from cedlm.engine.sampling_defaults import read
     choice = getattr(args, "generation_config", "auto")
     if choice == "none":
         return {}
@@ -144,7 +144,7 @@ def build_app(args, background_compile: bool = False, on_engine_failure=None):
     from cedlm.server.aliases import AliasTable, default_served_name
     from cedlm.server.app import api_key_from_env, create_app
     from cedlm.engine.args import EngineArgs
-    from cedlm.server.sampling_defaults import describe
+    from cedlm.engine.sampling_defaults import describe
     llm = LLM(model=args.model, args=EngineArgs.from_cli(args))
     import logging
 

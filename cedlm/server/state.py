@@ -35,7 +35,7 @@ from cedlm.server.compile_queue import ClientGone, CompileBusy
 from cedlm.server.constrain import GrammarError, Grammars, MinPProcessor, MinTokensProcessor
 from cedlm.server.errors import APIError, model_not_found
 from cedlm.server.metrics import Metrics
-from cedlm.server.sampling_defaults import NEUTRAL
+from cedlm.engine.sampling_defaults import NEUTRAL
 from cedlm.server.worker import EngineWorker
 from cedlm.text.chat import THINK_END
 

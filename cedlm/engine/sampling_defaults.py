@@ -3,7 +3,8 @@
 As vLLM does (`--generation-config auto`, its default), `cedlm serve` reads the model
 directory's generation_config.json once at start and uses its `temperature`, `top_p`, `top_k`,
 `min_p` and `repetition_penalty` for every request that does not set them; a request's own value
-always wins. `do_sample: false` means greedy (temperature 0), as in transformers. Without the file
+always wins. `LLM.generate` and `LLM.chat` without sampling parameters use the same values
+(`LLM.default_sampling_params`). `do_sample: false` means greedy (temperature 0), as in transformers. Without the file
 (a preset, `--generation-config none`) the neutral values apply: temperature 1, top_p 1, top_k off,
 no penalty. The shipped model's values, and why: docs/serving.md, "Sampling defaults";
 `cedlm.train.model_card.GENERATION_DEFAULTS` writes them.
