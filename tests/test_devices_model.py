@@ -17,7 +17,7 @@
    a batched decode over a block pool on it. What cannot run there, because it reads data on the
    host (a fake tensor has none):
    * the MoE's routed loop (``MoE._routed``: ``torch.nonzero(counts).tolist()``, the experts a
-     call's tokens chose; ``MoE._one_token``: ``ids[0].tolist()``): the fake runs replace the MoE
+     call's tokens chose): the fake runs replace the MoE
      by its dense reference (``MoE.forward_reference``: every expert on every token, the same
      parameters), which exercises everything around it;
    * a prefill chunk or replay of more than one token: ``ByteKVCache._window_batched`` sizes the
