@@ -1,4 +1,4 @@
-"""The static decode step (cedlm/model/step.py) and its compiled form against the reference
+"""The static decode step (cedlm/model/model.py's decode_step) and its compiled form against the reference
 `CEDModel.decode`: per step from identical states, the same discrete decisions (indexer top-k as
 sets, MoE experts) and, where they agree, logits within float rounding; the states they leave
 behind (window rings, entries, pending rows) byte-equal.

@@ -191,8 +191,8 @@ class SpecStats:
 
 class DSparkSpeculator:
     def __init__(self, model, config: SpeculativeConfig | None = None, decoder=None, log=None):
-        """decoder: the engine's `CompiledDecode`; its mode decides the verify step's (None or
-        "eager": `rollback.verify` always)."""
+        """decoder: the engine's `CompiledDecode`; its mode decides the draft and verify steps'
+        (None or "eager": their references, `dspark.draft_block` and `rollback.verify`)."""
         if not hasattr(model, "mtp"):
             raise ValueError("speculative: this model has no DSpark drafter (no mtp.* weights; "
                              "a model directory ships them in mtp.safetensors, made by "

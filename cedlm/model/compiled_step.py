@@ -117,8 +117,8 @@ def _opt_level_flags() -> None:
 
 def compile_step(device, fn=None, one_row_products: bool = False):
     """`fn` (default `model.decode_step`; a copy of its own, `own_copy`) through torch.compile for
-    a model on `device`: the decode step's graphs (`one_row_products`), the verify step's
-    (`verify_step.py`) or the draft step's (`draft_step.py`)."""
+    a model on `device`: the decode step's graphs (`one_row_products`), the verify step's or
+    the draft step's (`dspark_steps.py`)."""
     if BACKEND != "inductor":
         return torch.compile(own_copy(fn or decode_step), backend=BACKEND, fullgraph=True,
                              options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
