@@ -46,7 +46,9 @@ def test_background_compile_is_adopted_at_a_step_boundary_and_never_recompiles(e
     bg = eng.compile_in_background()                        # the running one
     assert bg is not None and eng.decoder.active_mode == "static"
     assert eng.compile_status()["decode_step"] == "static"
-    assert eng.kv_stats()["blocks_in_use"] > 0               # the scratch sequences' blocks
+    kv = eng.kv_stats()                                      # the scratch sequences' blocks,
+    assert kv["blocks_compiling"] > 0 and kv["blocks_in_use"] == 0      # not counted as in use
+    assert eng.pool.num_used == kv["blocks_compiling"]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == want   # while it compiles
     assert bg.wait(600) and not bg.failed, bg.failed
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -55,7 +57,7 @@ def test_background_compile_is_adopted_at_a_step_boundary_and_never_recompiles(e
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == want
     assert eng.decoder.active_mode == "compiled"
     assert eng.compile_status() == {"decode_step": "compiled", "compiling": None}
-    assert eng.kv_stats()["blocks_in_use"] == 0              # scratch blocks freed on adoption
+    assert eng.kv_stats()["blocks_compiling"] == 0 and eng.pool.num_used == 0   # freed on adoption
 
     # prompts from a few entries to well past index_topk and the candidate pool's blocks
     # (candidate_topk_blocks x candidate_block_size entries), where a width-dependent top-k
@@ -97,10 +99,10 @@ def test_warm_up_waits_for_the_background_compile_and_adopts_it(monkeypatch):
     llm = LLM("tiny", decode_step="compiled", num_threads=1)
     eng = llm.engine
     bg, pairs = eng.decoder.pending
-    assert ran == [bg] and eng.decoder.active_mode == "static" and eng.kv_stats()["blocks_in_use"] > 0
+    assert ran == [bg] and eng.decoder.active_mode == "static" and eng.kv_stats()["blocks_compiling"] > 0
     bg.jobs = [("decode graph for batch 1", lambda: None)]      # stands in for the compile
     monkeypatch.undo()
     bg.start()
     assert eng.warm_up() == {"decode graph for batch 1": bg.seconds["decode graph for batch 1"]}
     assert eng.decoder.pending is None and eng.decoder.active_mode == "compiled"
-    assert eng.kv_stats()["blocks_in_use"] == 0
+    assert eng.kv_stats()["blocks_compiling"] == 0 and eng.pool.num_used == 0

@@ -360,6 +360,38 @@ def test_a_request_of_many_prompts_leaves_a_fair_share_to_a_bystander():
         assert engine_idle(app) == (0, 0, 0, 0)
 
 
+def test_six_requests_at_once_keep_the_bystander_s_pace():
+    """Six requests arriving at once beside a decoding bystander (unconstrained, then constrained):
+    while it decodes, a step runs at most `max_prefills_while_decoding` (1) of their prefills
+    (each a call of its own that its next token waits for), so the bystander's longest gap stays
+    under MAX_GAP_S and its text is identical; all six are served and the KV blocks return to 0."""
+    from concurrent.futures import ThreadPoolExecutor
+    app = make_app(max_num_seqs=8)
+    sched = app.state.engine.scheduler
+    assert sched.max_prefills_while_decoding == 1
+    plan, seen = sched.schedule, []
+
+    def spy():
+        out = plan()
+        seen.append((len(out.decode), len(out.prefills)))
+        return out
+    sched.schedule = spy
+    body = {"model": MODEL, "prompt": "Letters:", "max_tokens": 12, "temperature": 0}
+    with serve(app) as base:
+        alone = _stream_text(base)
+        for extra in ({}, {"guided_regex": "[a-z]{3,9}( [a-z]{3,9}){0,5}"}):
+            def six():
+                while not app.state.worker.call(lambda e: e.scheduler.num_running).result(5):
+                    pass                                # the bystander decodes first
+                seen.clear()
+                with ThreadPoolExecutor(6) as ex:
+                    return list(ex.map(lambda _: _post(base, "/v1/completions", {**body, **extra}), range(6)))
+            rs = beside_bystander(app, base, alone, six)
+            assert [r.status_code for r in rs] == [200] * 6, [r.text for r in rs]
+            beside = [p for d, p in seen if d]
+            assert max(beside) == 1 and sum(beside) >= 6, seen     # one prefill a step beside decoding
+
+
 # =========================================================================== 7. contradictory constraints
 
 
@@ -992,3 +1024,85 @@ def test_an_abandoned_request_takes_its_compilation_out_of_the_queue(hostile_app
         time.sleep(0.05)
     assert q.counters["cancelled"] == cancelled + 1 and q.counters["compiled"] == compiled + 2
     assert q.pending == 0 and engine_idle(app) == (0, 0, 0, 0)
+
+
+# =========================================================================== unicode edges
+
+
+_ODD = {"nul": "\u0000" * 8, "combining": "e" + "\u0301" * 300, "zwj": "\U0001F469\u200d\U0001F467" * 20,
+        "rtl": "\u202eabc\u2066d\u2069", "nonchar": "\uffff\U0010ffff" * 8, "dotted_i": "\u0130" * 40,
+        "replacement": "\ufffd" * 8, "separators": "\u2028\u2029\x85"}
+
+
+def _unicode_edges() -> list[tuple[str, dict]]:
+    """(path, body) pairs: odd characters in prompts, messages and stop strings over random
+    (temperature 1.5) outputs whose byte tokens leave partial UTF-8 to the detokenizer, streamed
+    with logprobs; every token id echoed; unicode in constraints, a `$ref` index written with a
+    non-ASCII digit, a tool call's arguments escaping a lone surrogate."""
+    out = []
+    for i, (k, v) in enumerate(_ODD.items()):
+        out.append(("/v1/completions", {"model": MODEL, "prompt": v, "max_tokens": 24, "temperature": 1.5,
+                                        "seed": i, "stop": [v[:3], "\ufffd"], "logprobs": 2,
+                                        "stream": bool(i % 2), "include_stop_str_in_output": bool(i % 3)}))
+        out.append(("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": v}],
+                                             "max_tokens": 24, "temperature": 1.5, "seed": i,
+                                             "stop": [v[-2:]], "stream": not i % 2}))
+    for lo in range(0, 4096, 1024):                       # every token id, echoed with its logprob
+        out.append(("/v1/completions", {"model": MODEL, "prompt": list(range(lo, lo + 1024)), "echo": True,
+                                        "logprobs": 1, "max_tokens": 1, "temperature": 0}))
+    for rx in (".{1,10}", "[\U0001F600-\U0001F64F]{2,4}", "e\u0301+", "[\u0000-\U0010ffff]{4}"):
+        out.append(("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 12, "guided_regex": rx,
+                                        "temperature": 1.0, "seed": 1}))
+    out.append(("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 1.0,
+                                    "guided_choice": ["\u00e9", "e\u0301", "\U0001F600", "\u0000"]}))
+    out.append(("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8, "guided_json": {
+        "type": "object", "properties": {"\u00e9\u0301": {"type": "string"}, "\u0000": {"type": "boolean"}},
+        "required": ["\u00e9\u0301"]}}))
+    return out
+
+
+def test_unicode_edges_beside_a_bystander_are_never_a_5xx(hostile_app):
+    """The unicode edge payloads (`_unicode_edges`), four at a time beside the bystander: no 5xx,
+    no error event in a stream, the bystander identical, its gap bounded, the KV blocks back to 0."""
+    from concurrent.futures import ThreadPoolExecutor
+    app, base, alone = hostile_app
+
+    def send(item):
+        path, body = item
+        return _post(base, path, json.dumps(body, ensure_ascii=False).encode())
+
+    def hostile():
+        with ThreadPoolExecutor(4) as ex:
+            return list(ex.map(send, _unicode_edges()))
+    rs = beside_bystander(app, base, alone, hostile)
+    def failed(r) -> bool:
+        return r.status_code not in (200, 400) or (
+            r.status_code == 200 and ('"error": {' in r.text or '"error":{' in r.text))
+    bad = [(r.status_code, r.text[:200]) for r in rs if failed(r)]
+    assert not bad and sum(r.status_code == 200 for r in rs) >= 20, bad
+
+
+def test_a_ref_index_in_a_non_ascii_digit_is_not_a_500(hostile_app):
+    """`#/anyOf/²`: "²" is a digit to str.isdigit but not to int(); the schema walk treats it as
+    the name it is (no such member), and the request is answered, not a 500."""
+    app, base, alone = hostile_app
+    schema = {"anyOf": [{"type": "string"}], "$ref": "#/anyOf/\u00b2"}
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_json": schema}),
+                       ("/v1/chat/completions", {"model": MODEL, "max_tokens": 4, "messages": [
+                           {"role": "user", "content": "x"}], "structured_outputs": {"json": schema}})):
+        r = beside_bystander(app, base, alone, lambda: _post(base, path, body))
+        assert r.status_code in (200, 400), r.text
+
+
+def test_tool_arguments_escaping_a_lone_surrogate_are_400_naming_messages(hostile_app):
+    """A tool call's JSON arguments are unescaped into the prompt: `"\\ud800"` there becomes a lone
+    surrogate, which no tokenizer can encode: a 400 naming `messages`, not a 500."""
+    app, base, alone = hostile_app
+    msgs = [{"role": "user", "content": "x"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                "name": "f", "arguments": '{"a": "\\ud800"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    r = beside_bystander(app, base, alone, lambda: _post(
+        base, "/v1/chat/completions", {"model": MODEL, "max_tokens": 4, "messages": msgs}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "surrogate" in r.json()["error"]["message"]

@@ -213,11 +213,13 @@ def test_short_request_behind_a_long_prefill_is_admitted_and_prefilled_at_once()
 def test_long_prefill_progresses_under_a_stream_of_short_prompts():
     """Shortest-remaining-first, bounded: a request passed over max_prefill_wait steps in a row goes
     first, so the long prompt gets a chunk at least every max_prefill_wait + 1 steps, and every
-    short one is prefilled within a bounded number of steps of its arrival."""
+    short one is prefilled within a bounded number of steps of its arrival (the token budget
+    alone: no bound on the chunks beside decoding, which a new prompt every step would outrun)."""
     a = FakeAlloc(10_000, 16)
     W = 2
     s = Scheduler(a, num_blocks=10_000, block_tokens=16, max_num_seqs=64, prefill_chunk=256,
-                  max_model_len=10_000, max_batched_tokens=256, max_prefill_wait=W)
+                  max_model_len=10_000, max_batched_tokens=256, max_prefill_wait=W,
+                  max_prefills_while_decoding=None)
     long = mk("long", 4096, max_tokens=2)
     s.add(long)
     shorts, arrived, prefilled = [], {}, {}
@@ -254,7 +256,8 @@ def test_several_long_prefills_under_tight_memory_never_deadlock():
         a = FakeAlloc(nb, 4)
         s = Scheduler(a, num_blocks=nb, block_tokens=4, max_num_seqs=rng.randint(1, 6),
                       prefill_chunk=rng.randint(1, 16), max_model_len=nb * 4,
-                      max_batched_tokens=rng.choice([None, 1, 8, 40]), max_prefill_wait=rng.randint(0, 3))
+                      max_batched_tokens=rng.choice([None, 1, 8, 40]), max_prefill_wait=rng.randint(0, 3),
+                      max_prefills_while_decoding=rng.choice([None, 1, 2]))
         reqs = []
         for i in range(rng.randint(2, 12)):
             r = mk(f"{trial}-{i}", rng.randint(1, nb * 2), max_tokens=rng.randint(1, nb))
@@ -298,6 +301,105 @@ def test_decodes_come_first_and_the_budget_is_shared():
     assert [r for r, _ in out.prefills] == [big]          # the one guaranteed chunk
     drain(s)
     assert a.nfree == 1000
+
+
+def _decoding_bystander(s, max_tokens=400):
+    """A sequence that decodes for the whole test (the stream a burst of prefills would hold up)."""
+    by = mk("bystander", 4, max_tokens=max_tokens)
+    s.add(by)
+    while by.status is not Status.RUNNING:
+        run_step(s, s.schedule())
+    return by
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_prefills_beside_decoding_are_bounded_and_an_idle_engine_prefills_a_burst_at_once(bound):
+    """Six prompts arriving at once beside a decoding stream: at most `max_prefills_while_decoding`
+    chunks a step (each a prefill call of its own that the stream waits for), in arrival order;
+    the same burst on an idle engine is prefilled in one step."""
+    a = FakeAlloc(1000, 4)
+    s = Scheduler(a, num_blocks=1000, block_tokens=4, max_num_seqs=16, prefill_chunk=64,
+                  max_model_len=1000, max_prefills_while_decoding=bound)
+    by = _decoding_bystander(s)
+    burst = [mk(f"b{i}", 5, max_tokens=40) for i in range(6)]
+    for r in burst:
+        s.add(r)
+    order, steps = [], 0
+    while any(r.status is not Status.RUNNING for r in burst):
+        out = s.schedule()
+        check_plan(s, a, out)
+        assert by in out.decode and 1 <= len(out.prefills) <= bound
+        order += [r.request_id for r, _ in out.prefills]
+        run_step(s, out)
+        steps += 1
+    assert order == [f"b{i}" for i in range(6)] and steps == -(-6 // bound)
+
+    idle = Scheduler(FakeAlloc(1000, 4), num_blocks=1000, block_tokens=4, max_num_seqs=16,
+                     prefill_chunk=64, max_model_len=1000, max_prefills_while_decoding=bound)
+    burst = [mk(f"i{i}", 5, max_tokens=4) for i in range(6)]
+    for r in burst:
+        idle.add(r)
+    out = idle.schedule()
+    assert not out.decode and [r for r, _ in out.prefills] == burst     # nothing decodes: all at once
+    run_step(idle, out)
+    out = idle.schedule()                          # ... and from then on they decode together
+    assert out.decode == burst and not out.prefills
+    with pytest.raises(ValueError, match="max_prefills_while_decoding"):
+        Scheduler(a, num_blocks=1, block_tokens=4, max_num_seqs=2, prefill_chunk=4, max_model_len=8,
+                  max_prefills_while_decoding=0)
+
+
+def _turns_under_the_bound(W: int, every: int, until: int = 90):
+    """One chunk a step beside a decoding stream: a 4,096-token prompt (16 chunks) and a 40-token
+    prompt every `every` steps up to step `until`; (the long prompt's longest run of steps passed
+    over, the longest run of any, whether every run stayed within W + k - 1 (k: the most
+    sequences prefilling during that run), steps until all finished)."""
+    a = FakeAlloc(10_000, 16)
+    s = Scheduler(a, num_blocks=10_000, block_tokens=16, max_num_seqs=256, prefill_chunk=256,
+                  max_model_len=10_000, max_prefill_wait=W, max_prefills_while_decoding=1)
+    by = _decoding_bystander(s, max_tokens=5000)
+    long = mk("long", 4096, max_tokens=2)
+    s.add(long)
+    streak: dict[str, int] = {}
+    worst: dict[str, int] = {}
+    most: dict[str, int] = {}                     # the most sequences prefilling during its run
+    within, shorts, step = True, [], 0
+    while not long.finished or any(not r.finished for r in shorts) or step < until:
+        step += 1
+        if step <= until and step % every == 0:
+            r = mk(f"s{step}", 40, max_tokens=3)
+            s.add(r); shorts.append(r)
+        out = s.schedule()
+        check_plan(s, a, out)
+        pre = [r for r in s.active if r.status is Status.PREFILLING]
+        assert by in out.decode and len(out.prefills) == min(1, len(pre))
+        served = out.prefills[0][0] if out.prefills else None
+        for r in pre:
+            rid = r.request_id
+            streak[rid] = 0 if r is served else streak.get(rid, 0) + 1
+            most[rid] = len(pre) if r is served else max(most.get(rid, 0), len(pre))
+            worst[rid] = max(worst.get(rid, 0), streak[rid])
+            within &= streak[rid] <= W + most[rid] - 1
+        run_step(s, out)
+        assert step < 5000, "no progress"
+    assert long.finished and all(r.finished for r in shorts) and a.nfree + a.held["bystander"] == 10_000
+    return worst["long"], max(worst.values()), within, step
+
+
+def test_under_the_bound_prefills_take_turns_and_none_starves():
+    """Under `max_prefills_while_decoding` = 1 the sequences prefilling take turns: shortest
+    first, and one passed over `max_prefill_wait` steps goes first (the longest-waiting first),
+    so none is passed over more than max_prefill_wait + k - 1 steps in a row (k: the sequences
+    prefilling) and all finish. With a short prompt every third step the long prompt is never
+    passed over more than max_prefill_wait steps; with one every step (more than one chunk a
+    step can serve) it still gets its turns, where shortest-first alone would leave it waiting
+    until the short prompts stop."""
+    long_worst, any_worst, within, _ = _turns_under_the_bound(W=2, every=3)
+    assert within and long_worst <= 2 and any_worst <= 2
+    long_worst, any_worst, within, _ = _turns_under_the_bound(W=2, every=1)   # 90 short prompts
+    assert within and long_worst <= 15 and any_worst <= 15
+    starved, _, _, _ = _turns_under_the_bound(W=10_000, every=1)     # no anti-starvation rule
+    assert starved >= 90                                  # the long one waits for all 90
 
 
 def test_preempted_prefill_is_readmitted_and_finishes():

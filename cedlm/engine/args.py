@@ -46,6 +46,9 @@ class EngineConfig:
     max_num_seqs: int = _opt(16, "sequences the engine runs at once", type=int)
     block_tokens: int = _opt(64, "tokens per KV block (rounded to the model's KV layout)", type=int)
     prefill_chunk: int = _opt(512, "prompt tokens per prefill chunk (the scheduler's chunk size)", type=int)
+    max_prefills_while_decoding: int = _opt(1, "prefill chunks per engine step while sequences decode "
+                                            "(each prefill holds every running stream for its time; with "
+                                            "nothing decoding every admitted prompt gets its chunk)", type=int)
     prefill_mode: str = _opt("bounded", "which prompt rows run the decoder", choices=list(PREFILL_MODES))
     replay_mode: str = _opt("bounded", "window rebuild after a prefix-cache hit", choices=list(REPLAY_MODES))
     enable_prefix_cache: bool = _opt(True, "share KV blocks of common prompt prefixes", "--no-prefix-cache")
@@ -62,7 +65,8 @@ class EngineConfig:
             raise ValueError(f"prefill_mode: {self.prefill_mode!r} is not one of {PREFILL_MODES}")
         if self.replay_mode not in REPLAY_MODES:
             raise ValueError(f"replay_mode: {self.replay_mode!r} is not one of {REPLAY_MODES}")
-        for name in ("kv_budget_bytes", "max_num_seqs", "block_tokens", "prefill_chunk"):
+        for name in ("kv_budget_bytes", "max_num_seqs", "block_tokens", "prefill_chunk",
+                     "max_prefills_while_decoding"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.decode_step is not None and self.decode_step not in DECODE_STEPS:

@@ -92,7 +92,8 @@ class Engine:
         self.max_model_len = self.cfg.max_model_len or model.cfg.max_position_embeddings
         self.scheduler = Scheduler(self.kv, num_blocks=num_blocks, block_tokens=self.block_tokens,
                                    max_num_seqs=self.cfg.max_num_seqs,
-                                   prefill_chunk=self.cfg.prefill_chunk, max_model_len=self.max_model_len)
+                                   prefill_chunk=self.cfg.prefill_chunk, max_model_len=self.max_model_len,
+                                   max_prefills_while_decoding=self.cfg.max_prefills_while_decoding)
         self.sampler = Sampler()
         # One token per sequence: the compiled static step, or the reference (compiled_step.py).
         self.decoder = CompiledDecode.of(model, self.cfg.decode_step, log=log.info)
@@ -637,11 +638,15 @@ class Engine:
         states = [run.state for run in (self.runs.get(r.request_id) for r in self.scheduler.active)
                   if run is not None and run.state is not None]
         used = self.pool.bytes_in_use()
+        # the background compile's scratch sequences hold a few blocks of this pool until its
+        # graphs are adopted: counted apart, so that "in use" is what requests hold
+        scratch = sum(len(t.blocks) for t in self._scratch_tables)
         return {
             "kv_bytes_per_token": float(self.model.kv_layout.bytes_per_token),
             "pool_bytes": self.pool.nbytes,
             "blocks_total": self.pool.num_blocks,
-            "blocks_in_use": self.pool.num_used,
+            "blocks_in_use": self.pool.num_used - scratch,
+            "blocks_compiling": scratch,
             "main_kv": used["main_kv"],
             "index_keys": used["index_keys"],
             "window": len(states) * self.model.kv_layout.window_bytes_per_sequence,

@@ -17,11 +17,19 @@ chunks share the rest, at least one chunk per step whatever the decodes took:
   its other sequences wait, passed over by admission (and by `fork`) while the owner holds its
   share, so one request of many prompts never holds every slot and a small request arriving
   behind it is admitted at once. Requests without an owner are not capped.
+- prefill beside decoding: while sequences decode, at most `max_prefills_while_decoding`
+  prefill chunks run in a step (default 1): each prefill is a call of its own, so six prompts
+  arriving at once would otherwise hold every running stream for six prefills in one step. With
+  nothing decoding, every prefilling sequence gets its chunk (within the token budget): there is
+  no stream to hold up, so an idle engine prefills a burst at full speed.
 - chunks go shortest-remaining-first (ties: admission order), so a short prompt admitted behind
   a long one is prefilled in the next step or two instead of after all of it; a request passed
   over `max_prefill_wait` steps in a row goes first (the longest-waiting first), so a long
   prompt still gets a chunk at least every `max_prefill_wait + 1` steps and nothing starves.
   A chunk that does not fit the budget left is skipped for this step; smaller ones may still.
+  A sequence skipped for the per-step bound counts as passed over too, so under the bound the
+  prefilling sequences take turns: with k of them prefilling, none is passed over more than
+  `max_prefill_wait + k - 1` steps in a row.
 
 Blocks are reserved BEFORE the model runs, through the KV cache manager's integer verbs, so the
 model's cache appends never fail mid-forward:
@@ -79,7 +87,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv, *, num_blocks: int, block_tokens: int, max_num_seqs: int,
                  prefill_chunk: int, max_model_len: int, max_batched_tokens: int | None = None,
-                 max_prefill_wait: int = 2, max_seqs_per_owner: int | None = None):
+                 max_prefill_wait: int = 2, max_seqs_per_owner: int | None = None,
+                 max_prefills_while_decoding: int | None = 1):
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs: must be positive, got {max_num_seqs}")
         if prefill_chunk <= 0:
@@ -88,6 +97,8 @@ class Scheduler:
             raise ValueError(f"max_batched_tokens: must be positive, got {max_batched_tokens}")
         if max_prefill_wait < 0:
             raise ValueError(f"max_prefill_wait: must be >= 0, got {max_prefill_wait}")
+        if max_prefills_while_decoding is not None and max_prefills_while_decoding <= 0:
+            raise ValueError(f"max_prefills_while_decoding: must be positive, got {max_prefills_while_decoding}")
         if max_seqs_per_owner is not None and max_seqs_per_owner <= 0:
             raise ValueError(f"max_seqs_per_owner: must be positive, got {max_seqs_per_owner}")
         self.kv = kv
@@ -96,6 +107,7 @@ class Scheduler:
         self.max_batched_tokens = max_batched_tokens or prefill_chunk + max_num_seqs
         self.max_prefill_wait = max_prefill_wait
         self.max_seqs_per_owner = max_seqs_per_owner or max(1, max_num_seqs // 2)
+        self.max_prefills_while_decoding = max_prefills_while_decoding   # None: no bound
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []          # admitted (prefilling or running), admission order
         self._passed_over: dict[int, int] = {}   # id(prefilling request) -> steps passed over in a row
@@ -254,8 +266,10 @@ class Scheduler:
         #    (an owner past its share passed over).
         out.admitted = self._admit()
         # 3. prefill chunks: the budget left after the decodes, shortest remaining first, the
-        #    ones passed over too long before everyone.
-        self._plan_prefills(out, self.max_batched_tokens - len(out.decode))
+        #    ones passed over too long before everyone; while sequences decode, at most
+        #    max_prefills_while_decoding of them.
+        self._plan_prefills(out, self.max_batched_tokens - len(out.decode),
+                            self.max_prefills_while_decoding if out.decode else None)
         return out
 
     def _admit(self) -> list[Request]:
@@ -282,7 +296,7 @@ class Scheduler:
             admitted.append(cand)
         return admitted
 
-    def _plan_prefills(self, out: SchedulerOutput, budget: int) -> None:
+    def _plan_prefills(self, out: SchedulerOutput, budget: int, max_chunks: int | None = None) -> None:
         pre = [r for r in self.active if r.status is Status.PREFILLING]
         if not pre:
             return
@@ -298,6 +312,8 @@ class Scheduler:
         for r in sorted(pre, key=key):
             n = min(self.prefill_chunk, r.num_tokens - r.num_computed_tokens)
             fits = n <= budget or not out.prefills        # at least one chunk per step
+            if max_chunks is not None and len(out.prefills) >= max_chunks:
+                fits = False                              # the bound beside decoding
             if fits and n > 0 and self.kv.allocate_slots(r, r.num_computed_tokens + n):
                 out.prefills.append((r, n))
                 budget -= n

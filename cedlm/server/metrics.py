@@ -50,6 +50,8 @@ class EngineCollector:
         yield gauge("cedlm_kv_pool_bytes", "Bytes of the paged KV pool.", kv.get("pool_bytes", 0))
         yield gauge("cedlm_kv_blocks_total", "KV blocks in the pool.", kv.get("blocks_total", 0))
         yield gauge("cedlm_kv_blocks_in_use", "KV blocks held by requests.", kv.get("blocks_in_use", 0))
+        yield gauge("cedlm_kv_blocks_compiling", "KV blocks held by the scratch sequences of the decode "
+                    "step's background compile (freed when its graphs are adopted).", kv.get("blocks_compiling", 0))
         yield counter("cedlm_prefix_cache_queries", "Prefix-cache lookups (one per admission).",
                       kv.get("prefix_queries", 0))
         yield counter("cedlm_prefix_cache_hits", "Prefix-cache lookups that found at least one block.",

@@ -32,7 +32,15 @@ def tokenize_parts(parts: list[tuple[str, bool]], tokenizer) -> list[int]:
 
     def flush() -> None:
         if run:
-            got = tokenizer.encode_plain("".join(run))
+            text = "".join(run)
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:   # a lone surrogate, e.g. from an escaped one
+                    raise ValueError(f"messages: the text has a lone surrogate "
+                                     f"({ascii(e.object[e.start])}), which is not a character; "
+                                     f"the JSON strings of tool-call arguments are unescaped") from None
+            got = tokenizer.encode_plain(text)
             if control_ids.intersection(got):   # the vocabulary can spell a control token: refuse
                 raise ValueError("messages: text in the messages encodes to a control token")
             ids.extend(got)
