@@ -24,6 +24,45 @@ os.environ.setdefault("CEDLM_DECODE_STEP", "static")
 # Training runs in the suite are tiny and many: eager, whatever the caller's environment says
 # (--compile is off by default); tests/test_train_compile.py compiles one and compares it.
 os.environ.setdefault("CEDLM_TRAIN_COMPILE", "off")
+# The `compiled` tests check what a compiled graph computes, not how fast g++ made it: their C++
+# is built at -O1 (CEDLM_COMPILE_OPT; about 6x less g++ time than -O3 on the decode graph), a value
+# the caller set is kept. tests/test_compiled_step.py::test_compile_opt_level_knob checks the knob.
+os.environ.setdefault("CEDLM_COMPILE_OPT", "O1")
+
+_ahead = None       # tests/ahead.py: the `ahead` tests' background run
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """The `ahead` tests run in a background process on the second core while the rest runs
+    (tests/ahead.py); here they come last and report that run's outcomes."""
+    global _ahead
+    from tests import ahead
+    ids = ahead.ahead_last(items)
+    if ids and len(ids) < len(items) and _ahead is None and ahead.wanted(config):
+        import tempfile
+        _ahead = ahead.Ahead(Path(config.rootpath), ids, Path(tempfile.mkdtemp(prefix="cedlm-ahead-")))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if _ahead is not None and pyfuncitem.nodeid in _ahead.nodeids:
+        from tests import ahead
+        ahead.replay(_ahead, pyfuncitem)
+        return True
+    return None
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _ahead is not None:
+        terminalreporter.write_sep("=", "run in the background (tests/ahead.py), seconds there")
+        for seconds, nodeid in _ahead.durations():
+            terminalreporter.write_line(f"{seconds:8.2f}s {nodeid}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _ahead is not None:
+        _ahead.stop()
 
 
 def tool_unavailable(require_var: str, reason: str):

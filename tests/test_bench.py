@@ -173,6 +173,7 @@ def test_quick_smoke(bench_quick):
     assert "results:" in printed
 
 
+@pytest.mark.ahead
 @pytest.mark.compiled
 def test_quick_compiled_step(tmp_path):
     """`cedlm bench --quick` through the compiled decode step (the engine default): torch.compile

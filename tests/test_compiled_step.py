@@ -252,6 +252,7 @@ def test_engine_args_decode_step():
         EngineArgs(decode_step="jit")
 
 
+@pytest.mark.ahead
 @pytest.mark.compiled
 @ON_DEVICES
 def test_compiled_step_matches_reference_every_layer_kind(every_kind, device):

@@ -37,6 +37,7 @@ def _copy_checkout(dst: Path) -> None:
             shutil.copy2(src, dst / rel)
 
 
+@pytest.mark.ahead
 def test_kernels_build_and_load_from_an_installed_wheel(tmp_path):
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("needs the git checkout to list its files")

@@ -83,6 +83,7 @@ def _mkl_path(setting: str | None) -> tuple[str | None, str]:
     return (line.group(1) if line else None), re.search(r"^DIGEST (\w+)", out, re.M).group(1)
 
 
+@pytest.mark.ahead
 @pytest.mark.skipif(os.environ.get(SWEEP_VAR) == "1", reason="inside a portability re-run")
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_numerics_hold_on_another_instruction_set(path):
