@@ -215,6 +215,28 @@ def test_engine_calls_one_step():
     assert not bad, "the engine calls a step's second implementation:\n  " + "\n  ".join(bad)
 
 
+# What an engine step may ask the scheduler (cedlm/engine/scheduler.py): plan the step and take
+# what ran, plus the two calls whose answer the step needs before it goes on; requests come and
+# go between steps (add, check, abort, requeue).
+SCHEDULER_VERBS = {"schedule", "update_from_output", "reserve_lookahead", "fork",
+                   "add", "check", "abort", "requeue"}
+
+
+def test_engine_talks_to_the_scheduler_with_its_verbs():
+    """The engine's step reports what ran with `update_from_output`; it never moves a count
+    itself (`advance`, `prefill_done`, `finish` are the scheduler's)."""
+    bad = []
+    for mod, path in _modules().items():
+        if unit_of(mod) not in ("cedlm.engine", "cedlm.server") or mod == "cedlm.engine.scheduler":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "scheduler"
+                    and node.func.attr not in SCHEDULER_VERBS):
+                bad.append(f"{mod}: scheduler.{node.func.attr}()")
+    assert not bad, "a call outside the scheduler's verbs:\n  " + "\n  ".join(bad)
+
+
 def test_checker_reports_upward_edges_and_cycles():
     layers = {"cedlm.low": 0, "cedlm.mid": 1, "cedlm.top": 2}
     edges = {

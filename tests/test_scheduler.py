@@ -3,7 +3,7 @@ import pytest
 
 from cedlm.engine.request import Request, Status
 from cedlm.engine.sampling_params import SamplingParams
-from cedlm.engine.scheduler import RequestRejected, Scheduler
+from cedlm.engine.scheduler import RequestRejected, Scheduler, StepResult
 
 
 class FakeAlloc:
@@ -43,18 +43,64 @@ def mk(rid, n, max_tokens=4):
 
 
 def run_step(s, out):
-    """What the engine does with a plan: report what ran (the scheduler moves the counts)."""
+    """What the engine does with a plan: run it, then report what ran in one `StepResult`
+    (the scheduler moves the counts)."""
+    res = StepResult()
     for r in out.decode:
-        s.advance(r, 1)
+        res.computed.append((r, 1))
         r.output_ids.append(0)
     for r, n in out.prefills:
-        s.advance(r, n)
-        if r.num_computed_tokens == r.num_tokens:
-            s.prefill_done(r)
+        res.computed.append((r, n))
+        if r.num_computed_tokens + n == r.num_tokens:
+            res.prefilled.append(r)
             r.output_ids.append(0)
     for r in list(s.active):
-        if r.status is Status.RUNNING and len(r.output_ids) >= r.params.max_tokens:
-            s.finish(r)
+        if ((r.status is Status.RUNNING or any(r is p for p in res.prefilled))
+                and len(r.output_ids) >= r.params.max_tokens):
+            res.finish(r)
+    s.update_from_output(out, res)
+
+
+def test_update_from_output_moves_the_counts_of_what_ran():
+    """The step's one report: positions computed (lookahead slots past the next position
+    released), completed prefills decode next, finished requests freed, samples queued first."""
+    kv = FakeAlloc(blocks=20, bt=4)
+    s = Scheduler(kv, num_blocks=20, block_tokens=4, max_num_seqs=4, prefill_chunk=8, max_model_len=64)
+    a, b, c = mk("a", 6), mk("b", 3), mk("c", 2)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.prefills] == [("b", 3), ("a", 6)]
+    res = StepResult(computed=[(b, 3), (a, 6)], prefilled=[b, a])
+    b.output_ids.append(0)
+    s.update_from_output(out, res)
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (6, 3)
+    assert a.status is b.status is Status.RUNNING and s.waiting == type(s.waiting)()
+    a.output_ids.append(0)
+    out = s.schedule()
+    assert s.reserve_lookahead(out.decode, 8)                   # drafts of 8 for both
+    held = kv.held["a"]
+    res = StepResult(computed=[(a, 3), (b, 1)], requeue=[c])
+    res.finish(b)
+    res.finish(b)                                               # recorded once
+    b.finish_reason = "stop"
+    s.update_from_output(out, res)
+    assert a.num_computed_tokens == 9 and kv.held["a"] == 3 < held    # 10 positions: 3 blocks
+    assert b.finished and "b" not in kv.held and b not in s.active
+    assert list(s.waiting) == [c] and c.status is Status.WAITING
+
+
+def test_update_from_output_refuses_a_request_preempted_in_that_step():
+    s = Scheduler(FakeAlloc(blocks=2, bt=4), num_blocks=2, block_tokens=4, max_num_seqs=2,
+                  prefill_chunk=8, max_model_len=64)
+    a, b = mk("a", 4), mk("b", 3)
+    for r in (a, b):
+        s.add(r)
+    run_step(s, s.schedule())
+    out = s.schedule()                                          # a needs a block: b preempted
+    assert out.preempted == [b]
+    with pytest.raises(ValueError, match="b was preempted"):
+        s.update_from_output(out, StepResult(computed=[(b, 1)]))
 
 
 def drain(s, limit=1000):

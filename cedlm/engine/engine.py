@@ -47,7 +47,7 @@ from cedlm.engine.request import Request
 from cedlm.engine.runtime import SequenceRuntime
 from cedlm.engine.sampler import Sampler, make_generator
 from cedlm.engine.sampling_params import SamplingParams
-from cedlm.engine.scheduler import Scheduler
+from cedlm.engine.scheduler import Scheduler, StepResult
 from cedlm.engine.speculative import DSparkSpeculator, SpeculativeConfig
 from cedlm.engine.stop import StopChecker
 from cedlm.engine.warmup import BackgroundCompile
@@ -108,6 +108,7 @@ class Engine:
         self.peak: dict[str, int] = {}           # peak KV bytes in use, by kind
         self._ids = itertools.count()
         self._touched: dict[str, Request] = {}    # requests this step touched, in order
+        self._result = StepResult()               # what this step ran, for the scheduler
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "encoder_tokens": 0,
                          "decoder_prefill_tokens": 0, "replay_tokens": 0, "preemptions": 0,
                          "requests_finished": 0, "requests_failed": 0}
@@ -288,7 +289,7 @@ class Engine:
         """Stop a request and forget it (its KV freed; finish_reason "abort")."""
         req = self.requests.get(request_id)
         if req is not None and not req.finished:
-            self._release_forks(req)
+            self.scheduler.requeue(self._release_forks(req))
             self.scheduler.abort(req)
             req.finish_reason = "abort"
             self.runs[request_id].finish_time = time.monotonic()
@@ -296,13 +297,14 @@ class Engine:
         self.runs.pop(request_id, None)
         self._touched.pop(request_id, None)
 
-    def _release_forks(self, req: Request) -> None:
-        """Samples waiting on req's prefill that will not get it: they run on their own."""
+    def _release_forks(self, req: Request) -> list[Request]:
+        """Samples waiting on req's prefill that will not get it (they run on their own: the
+        caller queues them)."""
         run = self.runs[req.request_id]
         forks, run.forks = [r for r in run.forks if not r.finished], []
         for r in forks:
             r.prompt_logprobs = r.prompt_logprobs or req.prompt_logprobs
-        self.scheduler.requeue(forks)
+        return forks
 
     @property
     def has_work(self) -> bool:
@@ -316,6 +318,7 @@ class Engine:
             self._adopt_compiled()           # graphs built in the background (by any engine)
         t_step = time.perf_counter()
         out = self.scheduler.schedule()
+        self._result = result = StepResult()
         self.counters["preemptions"] += len(out.preempted)
         for r in out.preempted:                   # their KV is gone: recomputed when readmitted
             self.runs[r.request_id].reset()
@@ -324,6 +327,7 @@ class Engine:
             self._contained(out.decode, lambda: self._decode(out.decode))
         for req, n in out.prefills:               # one encoder chunk each (scheduler.py: fair share)
             self._contained([req], lambda r=req, k=n: self._prefill(r, k))
+        self.scheduler.update_from_output(out, result)
         outputs = [self._output(r) for r in self._touched.values()]
         self._touched = {}
         for o in outputs:
@@ -368,14 +372,14 @@ class Engine:
                     self._fail(r, f"{type(e).__name__}: {e}")
 
     def _fail(self, r: Request, error: str) -> None:
-        self._release_forks(r)
+        self._result.requeue.extend(self._release_forks(r))
         self._finish(r, "error", error)
         self.counters["requests_failed"] += 1
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         run = self._touch(r)
         r.finish_reason, r.error, run.finish_time = reason, error, time.monotonic()
-        self.scheduler.finish(r)
+        self._result.finish(r)                    # the scheduler frees it at the step's end
         run.reset()
 
     def _new_state(self, req: Request, run: SequenceRuntime) -> SequenceState:
@@ -413,14 +417,14 @@ class Engine:
         # the count grows only after the chunk ran: a failure mid-chunk never publishes
         # half-written blocks to the prefix cache.
         done = run.prefill.step(n) if self.speculator is None else self.speculator.prefill_step(run, n)
-        self.scheduler.advance(req, n)
+        self._result.computed.append((req, n))
         if not done:
             return
         if req.needs_prompt_logprobs:
             req.prompt_logprobs, run.scorer = run.scorer.result(), None
         logits = run.prefill.logits[-1:]
         run.prefill = None
-        self.scheduler.prefill_done(req)
+        self._result.prefilled.append(req)
         group = [req] + self._start_forks(req)
         if req.params.max_tokens == 0:             # scoring only: nothing is sampled
             for r in group:
@@ -441,7 +445,7 @@ class Engine:
                 continue
             sib.prompt_logprobs = sib.prompt_logprobs or req.prompt_logprobs
             (started if self._fork(req, sib) else rest).append(sib)
-        self.scheduler.requeue(rest)
+        self._result.requeue.extend(rest)
         return started
 
     def _fork(self, src: Request, dst: Request) -> bool:
@@ -449,7 +453,7 @@ class Engine:
         shares the full blocks and copies the partial one); its state adopts src's prefix and
         clones the window rings and compressor rows. False (nothing taken) when there is no free
         sequence slot or block."""
-        P = src.num_computed_tokens
+        P = src.num_tokens                        # its whole prompt: the prefill just completed
         if not self.scheduler.fork(src, dst, P):
             return False
         st = self.model.new_state(rows=self.kv.rows(dst))
@@ -491,8 +495,7 @@ class Engine:
     def _decode_plain(self, reqs: list[Request]) -> None:
         ids = [r.output_ids[-1] for r in reqs]
         logits = self.decoder(ids, [self._touch(r).state for r in reqs])
-        for r in reqs:
-            self.scheduler.advance(r, 1)
+        self._result.computed.extend((r, 1) for r in reqs)
         self._accept(reqs, logits)
 
     def _decode_speculative(self, reqs: list[Request]) -> None:
@@ -506,8 +509,7 @@ class Engine:
         if not self.scheduler.reserve_lookahead(reqs, prop.num_lookahead):
             prop = prop.without_drafts()
         kept = self.speculator.verify(prop, reqs, runs)
-        for r, toks in zip(reqs, kept):
-            self.scheduler.advance(r, len(toks))
+        self._result.computed.extend((r, len(toks)) for r, toks in zip(reqs, kept))
         now = time.monotonic()
         for r, toks in zip(reqs, kept):
             for tok, lp in toks:

@@ -90,7 +90,9 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status is Status.FINISHED
+        """Done: the engine gave it a finish reason (the scheduler frees it at the step's end) or
+        the scheduler finished it."""
+        return self.finish_reason is not None or self.status is Status.FINISHED
 
 
 def select_samples(samples: list, n: int) -> list:

@@ -41,10 +41,14 @@ model's cache appends never fail mid-forward:
     kv.free(req)                      -> frees everything req holds
 
 The scheduler owns every token count of a request (`num_computed_tokens`, `num_cached_tokens`,
-`status`, `num_preemptions`, `first_scheduled_time`): the engine reports what ran (`advance`,
-`prefill_done`, `finish`) and the scheduler moves the counts. Speculative decoding reserves its
-lookahead slots through `reserve_lookahead` (all or none for a batch); `advance` releases the
-ones not kept, preemption and finish release everything.
+`status`, `num_preemptions`, `first_scheduled_time`). An engine step talks to it with two verbs,
+as vLLM's `EngineCore.step` does: `schedule()` plans the step, `update_from_output(out, result)`
+takes what ran (a `StepResult`: positions computed, prefills completed, requests finished,
+samples to queue) and moves the counts (`advance`, `prefill_done`, `finish`). Two calls happen
+inside a step, where the engine needs an answer before it can go on: `reserve_lookahead`
+(speculative decoding reserves the slots of its drafts, all or none for a batch, before
+verifying; `advance` releases the ones not kept) and `fork` (a sample starts from its prompt's
+just-computed prefill). Preemption and finish release everything.
 
 When a running sequence cannot grow, the most recently admitted other sequence is preempted
 (its KV freed; it waits again at the front and is later recomputed from its token ids). A
@@ -82,6 +86,19 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return len(self.decode) + self.prefill_tokens
+
+
+@dataclass
+class StepResult:
+    """What the engine ran in one step, reported back through `Scheduler.update_from_output`."""
+    computed: list[tuple[Request, int]] = field(default_factory=list)  # (request, positions computed)
+    prefilled: list[Request] = field(default_factory=list)     # prompt now in the cache: decodes next
+    finished: list[Request] = field(default_factory=list)      # done (the engine set finish_reason)
+    requeue: list[Request] = field(default_factory=list)       # samples to prefill on their own
+
+    def finish(self, req: Request) -> None:
+        if not any(r is req for r in self.finished):
+            self.finished.append(req)
 
 
 class Scheduler:
@@ -174,6 +191,21 @@ class Scheduler:
         return True
 
     # ---------------------------------------------------------------- what the engine ran
+    def update_from_output(self, out: SchedulerOutput, result: StepResult) -> None:
+        """The step `out` planned has run: move the counts of what it computed (releasing the
+        lookahead slots not kept), start decoding the prefills that completed, free the finished
+        requests and queue the samples that could not start from their prefill. `out` is the plan
+        the result answers (its preempted requests are not in the result)."""
+        for req, n in result.computed:
+            if any(req is p for p in out.preempted):
+                raise ValueError(f"update_from_output: {req.request_id} was preempted in this step")
+            self.advance(req, n)
+        for req in result.prefilled:              # published before a same-step finish frees it
+            self.prefill_done(req)
+        for req in result.finished:
+            self.finish(req)
+        self.requeue(result.requeue)
+
     def advance(self, req: Request, num_tokens: int) -> None:
         """The engine computed num_tokens more positions of req (a prefill chunk, a decode token,
         a verified speculative block); lookahead slots past the next position are released."""
