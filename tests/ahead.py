@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,7 +69,7 @@ class Ahead:
     """The background pytest process over `nodeids`; `outcome(nodeid)` waits for one."""
 
     def __init__(self, rootdir: Path, nodeids: list[str], workdir: Path):
-        self.nodeids = nodeids
+        self.nodeids, self.workdir, self._final = nodeids, workdir, None
         self.report = workdir / "outcomes.jsonl"
         self.log_path = workdir / "pytest.log"
         self.report.touch()
@@ -81,6 +82,8 @@ class Ahead:
                 start_new_session=True, preexec_fn=lambda: os.nice(NICE))
 
     def _phases(self) -> dict[str, list[dict]]:
+        if self._final is not None:
+            return self._final
         out: dict[str, list[dict]] = {}
         for line in self.report.read_text(encoding="utf-8").splitlines():
             if line.strip():
@@ -118,6 +121,13 @@ class Ahead:
                       reverse=True)
 
     def stop(self) -> None:
+        """End the background run (if still running) and remove its files; the outcomes read so
+        far are kept for the summary."""
+        self._stop_process()
+        self._final = self._phases()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _stop_process(self) -> None:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)

@@ -23,6 +23,8 @@ def test_outcomes_of_the_background_run_are_reported(tmp_path):
         assert {n for _, n in run.durations()} == {passes, skips}
     finally:
         run.stop()
+    assert not (tmp_path / "a").exists()                        # its files removed
+    assert {n for _, n in run.durations()} == {passes, skips}   # the summary still has them
 
 
 def test_a_test_the_background_run_never_ran_fails(tmp_path):
