@@ -2,6 +2,8 @@
 skipped or failed, is what the foreground reports; a test the background run never ran fails."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,17 +30,22 @@ def test_outcomes_of_the_background_run_are_reported(tmp_path):
 
 
 def test_a_test_the_background_run_never_ran_fails(tmp_path):
+    """A background process that ended without reporting the test (it crashed, or could not
+    collect it): the foreground fails it, with the background's output."""
     missing = "tests/test_portability.py::test_there_is_no_such_test"
-    (tmp_path / "b").mkdir()
-    run = ahead.Ahead(ROOT, [missing], tmp_path / "b")
-    try:
-        outcome, why = run.outcome(missing, timeout=300)
-    finally:
-        run.stop()
-    assert outcome == "failed" and "ended without running it" in why, why
+    run = object.__new__(ahead.Ahead)                 # the state of one whose process has ended
+    run.nodeids, run.workdir, run._final = [missing], tmp_path, None
+    run.report, run.log_path = tmp_path / "outcomes.jsonl", tmp_path / "pytest.log"
+    run.report.touch()
+    run.log_path.write_text("ERROR: not found: " + missing)
+    run.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(4)"])
+    run.proc.wait()
+    outcome, why = run.outcome(missing, timeout=60)
+    assert outcome == "failed" and "(exit 4) ended without running it" in why and "not found" in why, why
+
+    class Item:
+        nodeid = missing
     with pytest.raises(pytest.fail.Exception, match="ended without running it"):
-        class Item:
-            nodeid = missing
         ahead.replay(run, Item())
 
 
