@@ -6,9 +6,9 @@
     .venv/bin/python bench/scripts/constraint_stalls.py --case plain --requests 6 --max-prefills-while-decoding 64
 
 Serves `tiny` (1 torch thread, 8 sequence slots) in this process (its clients share one connection
-pool: a client per request spent seconds of this process's time making SSL contexts) on a loopback port, streams a 64-token greedy
+pool: a client per request spent seconds of this process's time making SSL contexts) on a loopback port, streams a greedy (`--bystander-tokens`, 64)
 bystander alone, then again while the hostile requests run, with /health and /v1/models polled
-every 50 ms. Cases:
+every 50 ms from another process. Cases:
 
 - `masks`: `--requests` constrained requests at once whose grammar masks are slow
   (`--mask-delay` seconds added to each mask, or a real regex with `--regex`); with
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -42,9 +43,9 @@ BYSTANDER = {"model": "m", "prompt": "The bystander says", "max_tokens": 64, "te
              "ignore_eos": True, "stream": True}
 
 
-def stream(httpx, base) -> tuple[str, float]:
+def stream(httpx, base, body=BYSTANDER) -> tuple[str, float]:
     parts, last, gap = [], None, 0.0
-    with httpx.stream("POST", f"{base}/v1/completions", json=BYSTANDER, timeout=300) as r:
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 now = time.monotonic()
@@ -52,6 +53,25 @@ def stream(httpx, base) -> tuple[str, float]:
                 last = now
                 parts.extend(c["text"] for c in json.loads(line[6:])["choices"])
     return "".join(parts), gap
+
+
+# /health and /v1/models polled every 50 ms from a process of its own (a poller thread in this
+# process measured its own waits for the GIL beside the server's threads: up to 0.4 s more);
+# prints the worst of each when a line arrives on its stdin
+POLLER = """
+import json, sys, threading, time
+import httpx
+base, worst, stop = sys.argv[1], {"/health": 0.0, "/v1/models": 0.0}, threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+with httpx.Client(timeout=60) as c:
+    while not stop.is_set():
+        for path in worst:
+            t0 = time.monotonic()
+            c.get(base + path)
+            worst[path] = max(worst[path], time.monotonic() - t0)
+        time.sleep(0.05)
+print(json.dumps(worst))
+"""
 
 
 def timed(client, base, body) -> tuple[int, float | None, float]:
@@ -79,6 +99,9 @@ def main() -> None:
     ap.add_argument("--on-engine-thread", action="store_true")
     ap.add_argument("--decode-step", default=None, help="compiled (the CPU default: its graphs are "
                     "built before measuring), static, eager")
+    ap.add_argument("--bystander-tokens", type=int, default=64,
+                    help="the bystander's length (the compiled step is faster: 256 keeps it running "
+                    "while the hostile requests arrive)")
     ap.add_argument("--max-prefills-while-decoding", type=int, default=None,
                     help="the scheduler's bound (default: the engine's)")
     a = ap.parse_args()
@@ -130,7 +153,8 @@ def main() -> None:
                     time.sleep(a.compile_delay)
                 return compile_(param, kind, value)
             pool.compile = slow_compile
-        alone, gap_alone = stream(httpx, base)
+        by_body = {**BYSTANDER, "max_tokens": a.bystander_tokens}
+        alone, gap_alone = stream(httpx, base, by_body)
         other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=600)
         other_alone = None
         if a.case == "compiles":                  # its normal time (a constraint of its own, compiled)
@@ -139,20 +163,9 @@ def main() -> None:
                                                         "guided_regex": "alone[0-9]"})
             other_alone = round(time.monotonic() - t0, 3)
         got: dict = {}
-        worst = {"/health": 0.0, "/v1/models": 0.0}
-        stop = threading.Event()
-
-        def poll():
-            c = httpx.Client(timeout=60)
-            while not stop.is_set():
-                for path in worst:
-                    t0 = time.monotonic()
-                    c.get(f"{base}{path}")
-                    worst[path] = max(worst[path], time.monotonic() - t0)
-                time.sleep(0.05)
-        poller = threading.Thread(target=poll)
-        poller.start()
-        by = threading.Thread(target=lambda: got.setdefault("b", stream(httpx, base)))
+        poller = subprocess.Popen([sys.executable, "-c", POLLER, base], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        by = threading.Thread(target=lambda: got.setdefault("b", stream(httpx, base, by_body)))
         steps.clear()
         by.start()
         time.sleep(0.3)
@@ -183,8 +196,7 @@ def main() -> None:
                            compile_delay=a.compile_delay)
                 codes = Counter(f.result().status_code for f in futs)
         by.join(600)
-        stop.set()
-        poller.join(60)
+        worst = json.loads(poller.communicate("stop\n", timeout=120)[0])
         text, gap = got["b"]
         kv = app.state.worker.call(lambda e: e.pool.num_used).result(10)
         out.update(codes=dict(codes), bystander_identical=text == alone, gap_alone_s=round(gap_alone, 3),

@@ -431,7 +431,11 @@ class Engine:
                 self._finish(r, "length")
                 self.counters["requests_finished"] += 1
             return
-        self._accept(group, logits.expand(len(group), -1))
+        # the first token's mask was started when its processor was built (long before): one
+        # that is not there yet is held back without a wait while other sequences decode (each
+        # prefill's wait would otherwise add MASK_WAIT_S to their step)
+        others = self.scheduler.num_running > len(group)
+        self._accept(group, logits.expand(len(group), -1), 0.0 if others else None)
 
     # ---------------------------------------------------------------- samples of one prompt
     def _start_forks(self, req: Request) -> list[Request]:
