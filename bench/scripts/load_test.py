@@ -16,7 +16,11 @@ seconds, of which a seeded `--disconnect` fraction close the connection after
 
 - `baseline` (unless --no-baseline): the bystanders alone;
 - `long_tenant`: the same bystanders while one tenant sends prompts of `--long-tokens` tokens back
-  to back (up to `--long-requests`), the first one just before the bystanders start.
+  to back (up to `--long-requests`), the first one just before the bystanders start;
+- `hostile` (with `--hostile N`): the same bystanders while N hostile clients send the requests of
+  `HOSTILE` back to back (malformed, deep or oversized bodies, refused constraints, a heavy regex,
+  odd unicode, a 6-way constrained burst, streams dropped mid-way, a body that trickles in): each
+  must be answered below 500 (or, for the dropped ones, not at all), and every bystander served.
 
 Reported per phase (JSON on stdout and in --out): bystander time to first token and total time
 (median / p95 / max, over the clients that stayed), errors (HTTP errors, error events, streams that
@@ -57,7 +61,7 @@ def start_server(args, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "cedlm.cli", "serve", "--model", "tiny", "--host", HOST,
            "--port", str(port), "--served-model-name", MODEL, "--threads", "1",
            "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
-           "--queue-timeout", str(args.queue_timeout), "--log-level", "warning"]
+           "--queue-timeout", str(args.queue_timeout), "--log-level", "warning", *args.serve_args.split()]
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
     return subprocess.Popen(cmd, cwd=args.server_cwd, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
@@ -177,6 +181,85 @@ def long_prompt(base: str, tokens: int, salt: int) -> tuple[str, int]:
         keep = max(1, int(keep * tokens / n) - 2)
 
 
+def _deep(n: int) -> str:
+    return '{"a":' * n + "1" + "}" * n
+
+
+# (label, path, body: a JSON value or raw text, how the client behaves: "send" | "drop" | "trickle")
+HOSTILE: list[tuple[str, str, object, str]] = [
+    ("invalid_json", "/v1/completions", '{"model": "%s", "prompt": ' % MODEL, "send"),
+    ("deep_json", "/v1/completions", '{"model":"%s","prompt":"x","x":' % MODEL + _deep(150) + "}", "send"),
+    ("deep_guided_json", "/v1/completions", {"model": MODEL, "prompt": "x", "guided_json": _deep(150)}, "send"),
+    ("many_containers", "/v1/chat/completions", '{"model":"%s","messages":[' % MODEL + ",".join(["{}"] * 120_000) + "]}", "send"),
+    ("lone_surrogate_key", "/v1/completions", '{"model":"%s","prompt":"x","\\ud800":1}' % MODEL, "send"),
+    ("logit_bias_4001_digits", "/v1/completions", '{"model":"%s","prompt":"x","logit_bias":{"1":' % MODEL + "9" * 4001 + "}}", "send"),
+    ("temperature_1e30", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": 1e30}, "send"),
+    ("n_over_share", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 64, "max_tokens": 2}, "send"),
+    ("max_tokens_huge", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**9}, "send"),
+    ("repetition_bound", "/v1/completions", {"model": MODEL, "prompt": "x", "guided_regex": "((a{60}){60}){60}"}, "send"),
+    ("heavy_regex", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8,
+                                         "guided_regex": "((a{40}){40}){40}"}, "send"),
+    ("contradiction", "/v1/completions", {"model": MODEL, "prompt": "x", "allowed_token_ids": [0],
+                                           "guided_regex": "abc"}, "send"),
+    ("ref_non_ascii_digit", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_json": {
+        "anyOf": [{"type": "string"}], "$ref": "#/anyOf/\u00b2"}}, "send"),
+    ("tool_args_surrogate", "/v1/chat/completions", {"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"}]}, "send"),
+    ("unicode_stop_random", "/v1/completions", {"model": MODEL, "prompt": "e\u0301" * 50, "max_tokens": 24,
+                                                 "temperature": 1.5, "stop": ["\ufffd", "\u0301"], "logprobs": 2,
+                                                 "stream": True}, "send"),
+    ("echo_every_id", "/v1/completions", {"model": MODEL, "prompt": list(range(1024)), "echo": True,
+                                           "logprobs": 1, "max_tokens": 1}, "send"),
+    ("unserved_route", "/v1/embeddings", {"model": MODEL, "input": "x"}, "send"),
+    ("constrained_dropped", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 64, "stream": True,
+                                                 "guided_regex": "[a-z ]{10,200}"}, "drop"),
+    ("plain_dropped", "/v1/chat/completions", {"model": MODEL, "max_tokens": 64, "stream": True,
+                                                "messages": [{"role": "user", "content": "x"}]}, "drop"),
+    ("trickled_body", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}, "trickle"),
+    ("constrained_burst", "/v1/completions", {"model": MODEL, "prompt": "Letters:", "max_tokens": 12,
+                                               "guided_regex": "[a-z]{3,9}( [a-z]{3,9}){0,5}"}, "burst"),
+]
+
+
+async def hostile_one(http: httpx.AsyncClient, base: str, item, timeout: float) -> list[int | str]:
+    """Send one HOSTILE item; its status codes ("dropped" for a stream closed after 2 events)."""
+    label, path, body, how = item
+    raw = body.encode() if isinstance(body, str) else json.dumps(body, ensure_ascii=False).encode()
+    headers = {"content-type": "application/json"}
+    try:
+        async with asyncio.timeout(timeout):
+            if how == "burst":                              # six at once
+                rs = await asyncio.gather(*(http.post(f"{base}{path}", content=raw, headers=headers)
+                                            for _ in range(6)))
+                return [r.status_code for r in rs]
+            if how == "trickle":                            # 1 byte a second: past the body deadline
+                async def gen():
+                    for b in raw:
+                        yield bytes([b])
+                        await asyncio.sleep(1.0)
+                try:
+                    r = await http.post(f"{base}{path}", content=gen(), headers=headers)
+                    return [r.status_code]
+                except httpx.HTTPError:
+                    return ["trickle_cut"]
+            if how == "drop":
+                async with http.stream("POST", f"{base}{path}", content=raw, headers=headers) as r:
+                    n = 0
+                    async for line in r.aiter_lines():
+                        n += line.startswith("data: ")
+                        if n >= 2:
+                            return ["dropped"]
+                    return [r.status_code]
+            r = await http.post(f"{base}{path}", content=raw, headers=headers)
+            return [r.status_code]
+    except TimeoutError:
+        return ["timeout"]
+    except httpx.HTTPError as e:
+        return [type(e).__name__]
+
+
 async def run_phase(args, base: str, name: str, with_long: bool) -> dict:
     rng = random.Random(args.seed)
     n = args.clients
@@ -188,6 +271,8 @@ async def run_phase(args, base: str, name: str, with_long: bool) -> dict:
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=0)
     stop_long = asyncio.Event()
     long_res: list[dict] = []
+    hostile_codes: list[tuple[str, int | str]] = []
+    with_hostile = name == "hostile"
 
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.client_timeout)) as http:
         async def bystander(i: int) -> dict:
@@ -204,8 +289,17 @@ async def run_phase(args, base: str, name: str, with_long: bool) -> dict:
                 r = await stream_one(http, base, p, args.long_max_tokens, None, args.client_timeout)
                 long_res.append(r)
 
+        async def hostile(k: int) -> None:
+            i = k
+            while not stop_long.is_set():
+                item = HOSTILE[i % len(HOSTILE)]
+                i += args.hostile
+                for code in await hostile_one(http, base, item, args.client_timeout):
+                    hostile_codes.append((item[0], code))
+
         t0 = time.monotonic()
         ten = asyncio.create_task(tenant()) if with_long else None
+        hos = [asyncio.create_task(hostile(k)) for k in range(args.hostile)] if with_hostile else []
         if with_long:
             await asyncio.sleep(0.5)                       # its prefill is under way first
         results = await asyncio.gather(*(bystander(i) for i in range(n)))
@@ -213,6 +307,8 @@ async def run_phase(args, base: str, name: str, with_long: bool) -> dict:
         stop_long.set()                                    # no new long prompt; let the last finish
         if ten is not None:
             await ten
+        for h in hos:
+            await h
         wall = time.monotonic() - t0
 
     blocks1, waited = settle(base, blocks0, args.settle)
@@ -233,6 +329,14 @@ async def run_phase(args, base: str, name: str, with_long: bool) -> dict:
         "kv_blocks_in_use_before": blocks0, "kv_blocks_in_use_after": blocks1,
         "kv_settle_s": round(waited, 2),
     }
+    if with_hostile:
+        codes: dict[str, dict] = {}
+        for label, code in hostile_codes:
+            codes.setdefault(label, {})[str(code)] = codes.get(label, {}).get(str(code), 0) + 1
+        fives = [(label, c) for label, c in hostile_codes        # a 5xx, a timeout, a broken connection
+                 if (isinstance(c, int) and c >= 500) or (isinstance(c, str) and c not in ("dropped", "trickle_cut"))]
+        out["hostile"] = {"clients": args.hostile, "requests": len(hostile_codes), "codes": codes,
+                          "errors": len(fives), "error_samples": fives[:5]}
     if with_long:
         out["long_tenant"] = {
             "prompt_tokens": [k for _, k in longs[:len(long_res)]], "requests": len(long_res),
@@ -280,7 +384,11 @@ def main() -> int:
     p.add_argument("--settle", type=float, default=30.0, help="seconds to wait for KV back to baseline")
     p.add_argument("--max-seconds", type=float, default=300.0, help="the whole run, seconds")
     p.add_argument("--no-baseline", action="store_true", help="skip the bystanders-alone phase")
+    p.add_argument("--hostile", type=int, default=0, help="hostile clients: run the `hostile` phase "
+                   "(instead of `short_behind_long` and `long_tenant`)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--serve-args", default="", help="more `cedlm serve` flags, e.g. "
+                   "'--max-prefills-while-decoding 64'")
     p.add_argument("--server-log", default=None, help="file for the server's output")
     p.add_argument("--server-cwd", default=str(ROOT),
                    help="the checkout whose cedlm serves (default this one; another, to compare)")
@@ -300,10 +408,14 @@ def main() -> int:
     try:
         wait_ready(base, proc)
         asyncio.run(stream_one_warmup(base))
-        phases.append(asyncio.run(short_behind_long(args, base)))
+        if not args.hostile:
+            phases.append(asyncio.run(short_behind_long(args, base)))
         if not args.no_baseline:
             phases.append(asyncio.run(run_phase(args, base, "baseline", with_long=False)))
-        phases.append(asyncio.run(run_phase(args, base, "long_tenant", with_long=True)))
+        if args.hostile:
+            phases.append(asyncio.run(run_phase(args, base, "hostile", with_long=False)))
+        else:
+            phases.append(asyncio.run(run_phase(args, base, "long_tenant", with_long=True)))
         health = httpx.get(f"{base}/health", timeout=10).json()
     finally:
         signal.alarm(0)
@@ -323,6 +435,7 @@ def main() -> int:
         Path(args.out).write_text(text + "\n")
     bad = [ph["phase"] for ph in phases
            if ph.get("errors_stayed") or ph.get("errors") or ph.get("long_tenant", {}).get("errors")
+           or ph.get("hostile", {}).get("errors")
            or ph["kv_blocks_in_use_after"] > ph.get("kv_blocks_in_use_before", 0)]
     if bad:
         print(f"FAILED: errors or KV blocks not back to baseline in {bad}", file=sys.stderr)
