@@ -210,7 +210,7 @@ HOSTILE: list[tuple[str, str, object, str]] = [
     ("unicode_stop_random", "/v1/completions", {"model": MODEL, "prompt": "e\u0301" * 50, "max_tokens": 24,
                                                  "temperature": 1.5, "stop": ["\ufffd", "\u0301"], "logprobs": 2,
                                                  "stream": True}, "send"),
-    ("echo_every_id", "/v1/completions", {"model": MODEL, "prompt": list(range(1024)), "echo": True,
+    ("echo_every_id", "/v1/completions", {"model": MODEL, "prompt": list(range(512)), "echo": True,   # tiny's
                                            "logprobs": 1, "max_tokens": 1}, "send"),
     ("unserved_route", "/v1/embeddings", {"model": MODEL, "input": "x"}, "send"),
     ("constrained_dropped", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 64, "stream": True,

@@ -8,7 +8,7 @@ overrides, noncharacters, private use, astral planes, lone surrogates escaped in
 prompts, messages, names, stop strings (over random outputs whose byte tokens leave partial
 UTF-8 to the detokenizer), `logit_bias` keys in other digit systems, regexes, choices, JSON
 schemas (property names, patterns, `$ref`s), Lark grammars, tools and tool calls, the Responses
-API, /tokenize and /detokenize of every token id; `--concurrency` at a time. Two bystanders stream
+API, /tokenize, and every token id of the model echoed and detokenized; `--concurrency` at a time. Two bystanders stream
 greedily meanwhile, back to back. The server is `tiny` in this process (helpers of
 tests/test_server.py); with the compiled step (the CPU default) the graphs are built before
 anything is sent, unless `--no-wait-compile` (then the engine serves on the uncompiled step beside
@@ -62,7 +62,7 @@ def comp(extra):
     return json.dumps({"model": M, "max_tokens": 24, **extra}, ensure_ascii=False)
 def chat(content, extra=None):
     return json.dumps({"model": M, "max_tokens": 24, "messages": [{"role": "user", "content": content}], **(extra or {})}, ensure_ascii=False)
-def payloads():
+def payloads(vocab: int = 512):
     out = []
     for k, v in WEIRD.items():
         out.append((f"comp-prompt-{k}", "/v1/completions", comp({"prompt": v, "temperature": 1.0, "seed": 1})))
@@ -81,9 +81,11 @@ def payloads():
         out.append((f"stop-rand-{i}", "/v1/completions", comp({"prompt": [1, 200, 201, 202], "stop": [stop], "temperature": 1.5, "seed": i, "max_tokens": 64, "logprobs": 3, "include_stop_str_in_output": bool(i % 2)})))
         out.append((f"stop-rand-stream-{i}", "/v1/completions", comp({"prompt": "\u00e9\u0301", "stop": [stop], "temperature": 1.5, "seed": i, "max_tokens": 64, "stream": True, "logprobs": 2, "echo": bool(i % 2)})))
     # byte tokens as prompt ids: every id, in slices, echoed with logprobs
-    for lo in range(0, 4096, 512):
-        out.append((f"ids-echo-{lo}", "/v1/completions", comp({"prompt": list(range(lo, lo + 512)), "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0})))
-    out.append(("detok-all", "/detokenize", json.dumps({"model": M, "tokens": list(range(0, 4096))})))
+    for lo in range(0, vocab, 128):                      # every token id of the model, in slices
+        out.append((f"ids-echo-{lo}", "/v1/completions", comp({"prompt": list(range(lo, min(lo + 128, vocab))),
+                                                                "echo": True, "logprobs": 1, "max_tokens": 1,
+                                                                "temperature": 0})))
+    out.append(("detok-all", "/detokenize", json.dumps({"model": M, "tokens": list(range(vocab))})))
     out.append(("detok-bytes", "/detokenize", json.dumps({"model": M, "tokens": list(range(3, 300))})))
     # logit_bias keys in other digit systems
     for k in ["\u0661\u0662", "\uff11\uff12", "\u00b2", "1\u200b2", "\u0967", " 12 ", "12\u0000"]:
@@ -183,7 +185,7 @@ def main() -> None:
                 return name, r.status_code
             except httpx.HTTPError as e:
                 return name, type(e).__name__
-        items = payloads()
+        items = payloads(app.state.server.vocab_size)
         codes, fives = collections.Counter(), []
         with ThreadPoolExecutor(a.concurrency) as ex:
             for name, code in ex.map(send, items):
