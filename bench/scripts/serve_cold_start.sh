@@ -3,11 +3,18 @@
 # seconds until the port answers, until /health is 200, and until one chat completion returns.
 #   bench/scripts/serve_cold_start.sh            # the shipped model
 #   EXTRA="--speculative" bench/scripts/serve_cold_start.sh
+#   WARM=1 bench/scripts/serve_cold_start.sh     # a warm start: the user's caches, graphs built
+#                                                # first by `cedlm warmup` (not timed)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 D=$(mktemp -d)
 trap 'kill $PID 2>/dev/null || true; wait $PID 2>/dev/null || true; rm -rf "$D"' EXIT
-export TORCHINDUCTOR_CACHE_DIR=$D/inductor CEDLM_CACHE_DIR=$D/cache
+if [ "${WARM:-0}" = "1" ]; then
+  # shellcheck disable=SC2086
+  .venv/bin/cedlm warmup ${EXTRA:-} > "$D/warmup.log" 2>&1 || { cat "$D/warmup.log"; exit 1; }
+else
+  export TORCHINDUCTOR_CACHE_DIR=$D/inductor CEDLM_CACHE_DIR=$D/cache
+fi
 PORT=${PORT:-8311}
 t0=$(date +%s.%N)
 # shellcheck disable=SC2086
