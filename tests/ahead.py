@@ -96,6 +96,7 @@ class Ahead:
         is reported; ("failed", why) if the process ended without it or `timeout` passed."""
         deadline = time.monotonic() + timeout
         while True:
+            ended = self.proc.poll() is not None      # before reading: then all it wrote is there
             phases = self._phases().get(nodeid, [])
             if any(p["when"] == "teardown" for p in phases):
                 for p in phases:
@@ -105,8 +106,7 @@ class Ahead:
                     if p["outcome"] == "skipped":
                         return "skipped", p["text"]
                 return "passed", ""
-            if self.proc.poll() is not None and not any(p["when"] == "teardown"
-                                                        for p in self._phases().get(nodeid, [])):
+            if ended:
                 return "failed", (f"the background run (exit {self.proc.returncode}) ended without "
                                   f"running it:\n{self._log_tail()}")
             if time.monotonic() > deadline:
