@@ -104,13 +104,20 @@ def test_clients_take_turns():
     assert fake.calls[:4] == ["g0", "g1", "o0", "o1"], fake.calls
 
 
+async def _occupy(q):
+    """The one compiler busy with client a's constraint "first" (held until the fake's gate
+    opens): later requests wait in the queue. -> its future."""
+    busy = asyncio.ensure_future(q.compile("p", "regex", "first", "a"))
+    await asyncio.sleep(0.05)
+    return busy
+
+
 def test_a_request_that_goes_away_leaves_the_queue():
     fake = FakeCompiler()
     q = CompileQueue(fake, workers=1)
 
     async def go():
-        busy = asyncio.ensure_future(q.compile("p", "regex", "first", "a"))
-        await asyncio.sleep(0.05)
+        busy = await _occupy(q)
         gone = asyncio.Event()
         waiting = asyncio.ensure_future(q.compile("p", "regex", "abandoned", "b", gone.wait))
         await asyncio.sleep(0.05)
@@ -161,8 +168,7 @@ def test_one_of_two_identical_requests_going_away_leaves_the_other_its_compilati
     q = CompileQueue(fake, workers=1)
 
     async def go():
-        busy = asyncio.ensure_future(q.compile("p", "regex", "first", "a"))
-        await asyncio.sleep(0.05)
+        busy = await _occupy(q)
         gone = asyncio.Event()
         leaving = asyncio.ensure_future(q.compile("p", "regex", "same", "b", gone.wait))
         staying = asyncio.ensure_future(q.compile("p", "regex", "same", "c"))

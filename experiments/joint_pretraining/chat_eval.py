@@ -32,12 +32,17 @@ def main(argv: list[str]) -> int:
     heldout = heldout_examples(corpus_documents("data/corpus", "val"), tok)    # `cedlm train chat`'s defaults
     out = {"model": str(src), **chat_metrics(model, tok, heldout, 64, seed=0),
            "eval_s": round(time.time() - t0, 1)}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if len(argv) == 2:
-        with open(argv[1], "w") as f:
-            f.write(text + "\n")
+    report(out, argv[1] if len(argv) == 2 else None)
     return 0
+
+
+def report(out: dict, path: str | None) -> None:
+    """Print the result as JSON, and write it to `path` when one is given."""
+    text = json.dumps(out, indent=2, ensure_ascii=False)
+    print(text)
+    if path is not None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ is one of them; the facts are the corpus's.
 """
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -19,6 +18,8 @@ import torch
 from cedlm.checkpoint import load_model, resolve_checkpoint
 from cedlm.engine.llm import LLM
 from cedlm.engine.sampling_params import SamplingParams
+
+from chat_eval import report          # this folder's script: the same JSON output
 
 QUESTIONS = [
     ("Who wrote Pride and Prejudice?", ["Austen"]),
@@ -55,11 +56,7 @@ def main(argv: list[str]) -> int:
                      "answered": any(k.lower() in text.lower() for k in keys), "keywords": keys})
     out = {"model": argv[0], "answered": sum(r["answered"] for r in rows), "ended": sum(r["ended"] for r in rows),
            "n": len(rows), "rows": rows}
-    text = json.dumps(out, indent=2, ensure_ascii=False)
-    print(text)
-    if len(argv) == 2:
-        with open(argv[1], "w") as f:
-            f.write(text + "\n")
+    report(out, argv[1] if len(argv) == 2 else None)
     return 0
 
 
