@@ -257,3 +257,39 @@ def test_step_outputs_of_samples_and_failures(tiny, monkeypatch):
     monkeypatch.setattr(Sampler, "sample", real)
     assert last.failed and "bad row" in last.error and last.new_token_ids == ()
     assert eng.pool.num_used == 0 and not eng.runs
+
+
+class _WaitProbe:
+    """A logits processor whose work is always there: records the wait the engine allows it."""
+
+    def __init__(self):
+        self.waits = []
+
+    def prepare(self, output_ids):
+        pass
+
+    def wait(self, output_ids, timeout):
+        self.waits.append(timeout)
+        return True
+
+    def __call__(self, output_ids, logits):
+        return logits
+
+
+@pytest.mark.parametrize("others", [0, 1])
+def test_a_prefill_s_first_constrained_token_waits_only_when_nothing_else_decodes(tiny, others):
+    """The first token's processor work was started long before: beside one other decoding
+    sequence it is not waited for (a late one is held back), alone the engine waits up to
+    MASK_WAIT_S (nothing else would run meanwhile)."""
+    from cedlm.engine.engine import MASK_WAIT_S
+    eng = LLM(tiny, block_tokens=8, enable_prefix_cache=False).engine
+    for _ in range(others):
+        eng.add_request(list(range(5, 12)), SamplingParams(max_tokens=30, temperature=0))
+    while others and eng.scheduler.num_running < others:
+        eng.step()
+    probe = _WaitProbe()
+    req = eng.add_request(list(range(7, 20)), SamplingParams(max_tokens=2, temperature=0,
+                                                             logits_processors=[probe]))
+    while not req.output_ids:
+        eng.step()
+    assert probe.waits[0] == 0.0 if others else 0.0 < probe.waits[0] <= MASK_WAIT_S

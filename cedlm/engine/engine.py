@@ -43,7 +43,7 @@ from cedlm.engine.images import expand as expand_images, span_embeds as image_sp
 from cedlm.engine.loader import model_device
 from cedlm.engine.output import RequestTimes, StepOutput
 from cedlm.engine.prompt_scoring import PromptScorer
-from cedlm.engine.request import Request
+from cedlm.engine.request import Request, Status
 from cedlm.engine.runtime import SequenceRuntime
 from cedlm.engine.sampler import Sampler, make_generator
 from cedlm.engine.sampling_params import SamplingParams
@@ -434,7 +434,8 @@ class Engine:
         # the first token's mask was started when its processor was built (long before): one
         # that is not there yet is held back without a wait while other sequences decode (each
         # prefill's wait would otherwise add MASK_WAIT_S to their step)
-        others = self.scheduler.num_running > len(group)
+        others = any(r.status is Status.RUNNING and all(r is not g for g in group)
+                     for r in self.scheduler.active)
         self._accept(group, logits.expand(len(group), -1), 0.0 if others else None)
 
     # ---------------------------------------------------------------- samples of one prompt
