@@ -21,10 +21,8 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements.lock"
-# guidellm requires sanic (only its mock server) and uvloop (optional speed-up); installed, they
-# bring httptools and uvloop, which uvicorn's "auto" defaults would then use for every server test.
-# pip is the installer itself.
-SKIP = {"sanic", "uvloop", "pip"}
+# guidellm requires sanic (only its mock server). pip is the installer itself.
+SKIP = {"sanic", "pip"}
 
 HEADER = """\
 # The exact set cedlm's test suite runs with: cedlm's dependencies with every extra and everything

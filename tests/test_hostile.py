@@ -479,7 +479,8 @@ def test_health_names_the_half_open_breaker_accurately(hostile_app):
         w.snapshot = saved
 
 
-def test_unfinished_headers_are_cut_at_the_header_timeout(hostile_app):
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_unfinished_headers_are_cut_at_the_header_timeout(hostile_app, http):
     """A connection that never finishes its request headers (sent a byte at a time) is closed
     after the header timeout; a normal keep-alive connection is served."""
     import socket
@@ -487,13 +488,13 @@ def test_unfinished_headers_are_cut_at_the_header_timeout(hostile_app):
 
     import uvicorn
 
-    from cedlm.server.header_timeout import header_timeout_protocol
+    from cedlm.server.http_protocol import http_protocol
     app, _, alone = hostile_app
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off",
-                                           http=header_timeout_protocol(0.5)))
+                                           http=http_protocol(0.5, http)))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     try:

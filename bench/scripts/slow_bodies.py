@@ -160,6 +160,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=40.0, help="how long they keep trickling")
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between two bytes")
     ap.add_argument("--decode-step", default="static")
+    ap.add_argument("--http", default="auto", help="the server's HTTP parser (cedlm serve --http)")
+    ap.add_argument("--loop", default="auto", help="the server's event loop (cedlm serve --loop)")
     a = ap.parse_args()
     import httpx
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -170,7 +172,8 @@ def main() -> int:
     base = f"http://{HOST}:{port}"
     server = subprocess.Popen(
         [sys.executable, "-m", "cedlm.cli", "serve", "--model", "tiny", "--host", HOST, "--port", str(port),
-         "--served-model-name", MODEL, "--threads", "1", "--decode-step", a.decode_step, "--log-level", "warning"],
+         "--served-model-name", MODEL, "--threads", "1", "--decode-step", a.decode_step, "--log-level", "warning",
+         "--http", a.http, "--loop", a.loop],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})      # (the raised file limit is inherited)
     try:
@@ -196,6 +199,7 @@ def main() -> int:
             if ln.startswith("cedlm_kv_blocks_in_use"):
                 kv = float(ln.rsplit(" ", 1)[1])
         print(json.dumps({"connections": a.connections, "seconds": a.seconds, "interval_s": a.interval,
+                          "http": a.http, "loop": a.loop,
                           **stats, "bystander_runs": seen["runs"], "bystanders_identical": seen["identical"],
                           "bystander_longest_gap_s": None if seen["gap"] is None else round(seen["gap"], 3),
                           "health_worst_s": round(seen["worst"]["/health"], 3),

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from cedlm.util import freeze_heap
+
 log = logging.getLogger(__name__)
 
 NICE = 5                    # the compile thread's (and its compiler processes') niceness
@@ -153,6 +155,7 @@ class BackgroundCompile:
                 times[self._est_key(label)] = round(sec, 1)
                 self.say(f"compiled {label} ({i + 1}/{n}) in {sec:.1f} s")
         _save_times(times)
+        freeze_heap(collect=False)      # the graphs and the compiler's state: out of every full collection
         self.say(f"background compile finished in {time.monotonic() - self.started:.1f} s; the "
                  f"engine switches to the compiled step at its next step")
 

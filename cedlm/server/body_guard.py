@@ -7,7 +7,7 @@ absent, which FastAPI parses as JSON too), then:
   per `MIN_BODY_RATE` bytes received so far (a client sending at least that fast is never cut;
   one that trickles a byte at a time is cut after about `BODY_TIMEOUT_S`): 408 (code
   `request_timeout`, `connection: close`) naming the limit. The header timeout
-  (`header_timeout.py`) ends once the headers are in, so a slow body held its connection and its
+  (`http_protocol.py`) ends once the headers are in, so a slow body held its connection and its
   handler as long as the client liked;
 - measures its nesting depth on the raw bytes (`protocol.json_depth.deeper_than`, no recursion):
   deeper than `max_depth` levels is a 400 (code `nesting_too_deep`) naming the limit and the
@@ -25,7 +25,6 @@ client's disconnect still reaches the handlers). It sits inside the body-size li
 from __future__ import annotations
 
 import asyncio
-import time
 
 from starlette.concurrency import run_in_threadpool
 
@@ -90,20 +89,24 @@ class BodyGuard:
             return await self.app(scope, receive, send)
         chunks: list[bytes] = []
         first: dict | None = None            # a disconnect before the body's end: handed on as it came
-        start, seen = time.monotonic(), 0
-        while True:
-            left = start + self.timeout + seen / self.min_rate - time.monotonic()
-            try:
-                msg = await asyncio.wait_for(receive(), timeout=max(left, 0.0))
-            except asyncio.TimeoutError:
-                return await too_slow(self.timeout, self.min_rate).response()(scope, receive, send)
-            if msg["type"] != "http.request":
-                first = msg
-                break
-            chunks.append(msg.get("body", b""))
-            seen += len(chunks[-1])
-            if not msg.get("more_body", False):
-                break
+        loop = asyncio.get_running_loop()
+        start, seen = loop.time(), 0
+        try:
+            # one deadline for the whole body, moved on as bytes arrive (no task or timer per chunk:
+            # a connection trickling a byte at a time costs the event loop one wake-up per byte)
+            async with asyncio.timeout(start + self.timeout) as deadline:
+                while True:
+                    msg = await receive()
+                    if msg["type"] != "http.request":
+                        first = msg
+                        break
+                    chunks.append(msg.get("body", b""))
+                    seen += len(chunks[-1])
+                    if not msg.get("more_body", False):
+                        break
+                    deadline.reschedule(start + self.timeout + seen / self.min_rate)
+        except TimeoutError:
+            return await too_slow(self.timeout, self.min_rate).response()(scope, receive, send)
         body = b"".join(chunks)
         if first is None:
             err = (body_error(body, self.max_depth) if len(body) <= _INLINE_BYTES

@@ -112,7 +112,12 @@ def add_parser(sub) -> None:
                         "directory or file (engine/sampling_defaults.py)")
     p.add_argument("--header-timeout", "--header_timeout", dest="header_timeout", type=float, default=10.0,
                    help="seconds a client may take to send a request's headers; then the connection is "
-                        "closed (default 10; server/header_timeout.py)")
+                        "closed (default 10; server/http_protocol.py)")
+    p.add_argument("--http", dest="http", default="auto", choices=["auto", "httptools", "h11"],
+                   help="HTTP parser, as uvicorn's --http: auto (httptools, a C parser, when installed; "
+                        "else h11, pure Python)")
+    p.add_argument("--loop", dest="loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+                   help="event loop, as uvicorn's --loop: auto (uvloop when installed; else asyncio)")
     p.add_argument("--log-level", "--log_level", dest="log_level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
@@ -194,6 +199,20 @@ def _model_error(model: str | None) -> str | None:
     return f"model: {model!r} is neither a checkpoint directory nor a preset ({sorted(PRESETS)})"
 
 
+def _server_libs_error(args) -> str | None:
+    """--http / --loop naming a library that is not installed: the error line, else None."""
+    import importlib.util
+
+    from cedlm.server.http_protocol import resolve_http
+    try:
+        resolve_http(getattr(args, "http", "auto"))
+    except ValueError as e:
+        return str(e)
+    if getattr(args, "loop", "auto") == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        return "loop: uvloop is not installed (pip install uvloop)"
+    return None
+
+
 def run(args) -> int:
     """Bind the port, then listen at once: /health answers 503 "loading" while the model loads
     (server/startup.py), then the server serves on the uncompiled decode step while the compiled
@@ -206,7 +225,7 @@ def run(args) -> int:
     def fail(msg: str) -> int:
         print(f"cedlm serve: error: {msg}", file=sys.stderr, flush=True)
         return 2
-    bad = _model_error(args.model)
+    bad = _model_error(args.model) or _server_libs_error(args)
     if bad:
         return fail(bad)
     if getattr(args, "device", None) not in (None, "auto"):     # an explicit device: checked first
@@ -229,14 +248,15 @@ def run(args) -> int:
           f"until the model is loaded)", flush=True)
     import uvicorn
 
-    from cedlm.server.header_timeout import header_timeout_protocol
+    from cedlm.server.http_protocol import http_protocol
     failure: list[str] = []
 
     def build():                        # in a thread, while /health answers "loading"
         import torch
         torch.set_num_threads(args.num_threads)
         app = build_app(args, background_compile=True, on_engine_failure=engine_failed)
-        from cedlm.util import describe_device
+        from cedlm.util import describe_device, freeze_heap
+        freeze_heap()                   # the model and the libraries: out of every full collection
         table = app.state.aliases
         print(f"cedlm serve: {table.served_name} (names: {', '.join(table.describe())}) ready on "
               f"http://{args.host}:{args.port}/v1, device {describe_device(app.state.engine.device)}, "
@@ -253,8 +273,8 @@ def run(args) -> int:
         logging.getLogger("cedlm.server").critical("the engine has failed (%s): shutting the server down", reason)
         server.should_exit = True
     starting = StartingApp(build, on_failed)
-    config = uvicorn.Config(starting, log_level=args.log_level, http=header_timeout_protocol(args.header_timeout),
-                            lifespan="on")
+    config = uvicorn.Config(starting, log_level=args.log_level, lifespan="on", loop=args.loop,
+                            http=http_protocol(args.header_timeout, args.http))
     server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])
