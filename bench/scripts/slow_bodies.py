@@ -4,7 +4,7 @@
     .venv/bin/python bench/scripts/slow_bodies.py --connections 18000 --seconds 60
 
 Starts `cedlm serve --model tiny` (1 torch thread, `--decode-step static` unless `--decode-step`)
-on a free loopback port, then opens `--connections` TCP connections over `--ramp` seconds. Each
+on a free loopback port (waiting until no graph compiles in the background), then opens `--connections` TCP connections over `--ramp` seconds. Each
 sends the headers of a JSON POST to /v1/completions announcing a 4 KiB body, then one byte of it
 every `--interval` seconds; when the server closes it (the body deadline: a 408), it connects
 again, until `--seconds` have passed. Meanwhile a process of its own streams greedy 64-token
@@ -189,6 +189,14 @@ def main() -> int:
             time.sleep(0.2)
         httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "warm up", "max_tokens": 2},
                    timeout=120)
+        while True:                               # graphs compiling in the background: measured after
+            card = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]
+            if not card.get("compiling") or time.monotonic() - t0 > 1800:
+                break
+            time.sleep(2.0)
+        httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "warm up", "max_tokens": 2},
+                   timeout=120)                   # the engine switches to a built graph at a step
+        card = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]
         watcher = subprocess.Popen([sys.executable, "-c", WATCHER, base, MODEL], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, text=True)
         time.sleep(2.0)                           # its first bystander alone
@@ -199,7 +207,7 @@ def main() -> int:
             if ln.startswith("cedlm_kv_blocks_in_use"):
                 kv = float(ln.rsplit(" ", 1)[1])
         print(json.dumps({"connections": a.connections, "seconds": a.seconds, "interval_s": a.interval,
-                          "http": a.http, "loop": a.loop,
+                          "http": a.http, "loop": a.loop, "decode_step": card.get("decode_step"),
                           **stats, "bystander_runs": seen["runs"], "bystanders_identical": seen["identical"],
                           "bystander_longest_gap_s": None if seen["gap"] is None else round(seen["gap"], 3),
                           "health_worst_s": round(seen["worst"]["/health"], 3),
