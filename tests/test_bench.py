@@ -305,3 +305,29 @@ def test_peer_llamacpp_runs_a_tiny_llama():
             s.close()
     finally:
         lcp.close()
+
+
+def test_dspark_targets_from_rows():
+    """The DSpark figure's targets: the adaptive policy judged on its median over rounds at each
+    batch, contexts below 32k against 1.5x and 32k against 1.2x, each with its best configuration."""
+    from cedlm.bench.dspark import targets
+
+    def row(batch, config, speedup, median=None, context=None, tpf=1.0):
+        r = {"batch": batch, "config": config, "speedup": speedup, "identical": True, "tokens_per_forward": tpf}
+        if median is not None:
+            r["speedup_median"] = median
+        if context is not None:
+            r["context"] = context
+        return r
+    rows = [row(1, "plain", 1.0, 1.0), row(1, "dspark_adaptive", 0.97, 1.01), row(1, "dspark_block", 1.6, 1.6, tpf=3.1),
+            row(1, "dspark_scheduled", 0.7, 0.7), row(8, "plain", 1.0, 1.0), row(8, "dspark_adaptive", 0.9, 0.98),
+            row(8, "dspark_block", 0.7, 0.7), row(8, "dspark_scheduled", 0.6, 0.6),
+            row(1, "plain", 1.0, context=512), row(1, "dspark_block", 1.7, context=512),
+            row(1, "dspark_adaptive", 1.2, context=8192), row(1, "dspark_block", 1.4, context=8192),
+            row(1, "dspark_block", 1.3, context=32768)]
+    t = targets(rows)["targets"]
+    assert t["accepted"]["met"] and t["speedup"]["measured"] == 1.6 and t["speedup"]["met"]
+    assert t["adaptive"]["measured"] == 0.98 and t["adaptive"]["note"] == "batch 8" and not t["adaptive"]["met"]
+    assert t["contexts"]["measured"] == 1.4 and "8,192" in t["contexts"]["note"] and not t["contexts"]["met"]
+    assert t["long_context"]["measured"] == 1.3 and t["long_context"]["met"]
+    assert "long_context" not in targets(rows[:-1])["targets"]

@@ -5,8 +5,8 @@
 
 Each round starts the shipped model's server once plain and once with `--speculative`
 (`--speculative-threshold` and `--speculative-policy` as given), one after the other on a free
-loopback port (the order alternates per round, so drift on a shared machine falls on both), one
-warm-up request each, then
+loopback port (the order alternates per round, so drift on a shared machine falls on both), waits
+until no graph is compiling in the background, one warm-up request each, then
 `--streams` streaming `/v1/completions` at once: distinct openings of held-out corpus documents
 (`data/corpus/val.txt`; `cedlm data prepare`), `--prompt-tokens` tokens each, temperature 0,
 `ignore_eos`, `--max-tokens` new tokens. Measured per server: the wall time from the first request
@@ -111,8 +111,16 @@ def serve_and_measure(speculative: bool, ps: list[str], args) -> dict:
     port = free_port()
     proc = start(port, speculative, args)
     try:
-        wait_ready(f"http://{HOST}:{port}", proc, timeout=args.ready_timeout)
-        return asyncio.run(measure(f"http://{HOST}:{port}", ps, args.max_tokens))
+        base = f"http://{HOST}:{port}"
+        wait_ready(base, proc, timeout=args.ready_timeout)
+        deadline = time.monotonic() + args.ready_timeout
+        while httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0].get("compiling"):
+            if time.monotonic() > deadline:           # graphs building in the background: timed after
+                raise SystemExit(f"the server was still compiling after {args.ready_timeout:g} s")
+            time.sleep(1.0)
+        out = asyncio.run(measure(base, ps, args.max_tokens))
+        out["decode_step"] = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0].get("decode_step")
+        return out
     finally:
         proc.terminate()
         try:

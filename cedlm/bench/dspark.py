@@ -203,9 +203,6 @@ def run(ctx: Ctx) -> dict:
     ctx_rows = _context_rows(ctx, model, tok, docs, new, configs)
     rows += ctx_rows
     b1 = by[(1, "dspark_block")]
-    best1 = max((by[(1, n)] for n in ("dspark_adaptive", "dspark_block", "dspark_scheduled")),
-                key=lambda r: r["speedup"])
-    worst_adaptive = min((r for r in rows if r["config"] == "dspark_adaptive"), key=lambda r: r["speedup"])
     out = {
         "config": {"model": shown, "device": str(ctx.device), "prompt_source": source,
                    "prompts": n_prompts,
@@ -214,20 +211,7 @@ def run(ctx: Ctx) -> dict:
                        name: (spec.policy if spec else None) for name, spec in configs},
                    "block_size": model.cfg.dspark_block_size, "threads": ctx.threads},
         "rows": rows,
-        "target": target("decode speed-up vs the same engine without DSpark, batch 1", ">=", 1.8,
-                         best1["speedup"], note=best1["config"]),
-        "targets": {
-            "accepted": target("tokens per target forward, batch 1, whole block", ">=", 2.5,
-                               b1["tokens_per_forward"]),
-            "speedup": target("decode speed-up vs the same engine without DSpark, batch 1", ">=", 1.8,
-                              best1["speedup"], note=best1["config"]),
-            "identical": target("greedy output identical to plain decoding (every run)", "==", True,
-                                all(r["identical"] for r in rows)),
-            # never slower: the adaptive policy against plain at every batch size, within the
-            # run-to-run noise of a shared machine (its exploration costs about 2% by design)
-            "adaptive": target("adaptive DSpark vs plain decoding, worst batch", ">=", 0.95,
-                               worst_adaptive["speedup"], note=f"batch {worst_adaptive['batch']}"),
-        },
+        **targets(rows),
         "notes": ["speed-up: total decode tokens / total decode time against plain; configurations "
                   "interleaved (each prompt group runs all three back to back, order rotated); "
                   "dspark_adaptive: the default policy (speculate where measured to pay, plain "
@@ -249,9 +233,6 @@ def run(ctx: Ctx) -> dict:
                           key=lambda r: r["speedup"]) for c in sorted({r["context"] for r in ctx_rows})}
         worst = min(best_at.values(), key=lambda r: r["speedup"])
         out["config"]["contexts"] = sorted(best_at)
-        out["targets"]["contexts"] = target(
-            "decode speed-up vs plain at every long context, batch 1 (best configuration)", ">=", 2.0,
-            worst["speedup"], note=f"worst at {worst['context']:,} tokens, {worst['config']}")
         out["notes"].append("by context (batch 1, prompts of joined held-out text, best configuration): "
                             + ", ".join(f"{c:,}: {r['speedup']:.2f}x ({r['config']})" for c, r in best_at.items())
                             + f"; at {worst['context']:,} tokens verification takes "
@@ -343,3 +324,46 @@ def plot(res: dict, path) -> bool:
     ax.set_title("DSpark acceptance by position (greedy)")
     ax.legend(fontsize=8)
     return save_plot(pyplot, fig, path)
+
+
+# the targets: at batch 1, >= 1.5x plain decoding up to 8k tokens of context and >= 1.2x at 32k;
+# never slower at any batch (the adaptive policy, median over rounds); >= 3 tokens per forward
+SPEEDUP_TARGET, LONG_CONTEXT, LONG_SPEEDUP_TARGET, ACCEPTED_TARGET = 1.5, 32768, 1.2, 3.0
+
+
+def targets(rows: list[dict]) -> dict:
+    """{"target", "targets"} of the figure from its rows (batch rows and, when run, context rows)."""
+    by = {(r["batch"], r["config"]): r for r in rows if "context" not in r}
+    b1 = by[(1, "dspark_block")]
+    best1 = max((by[(1, n)] for n in ("dspark_adaptive", "dspark_block", "dspark_scheduled")),
+                key=lambda r: r["speedup"])
+    adaptive = [r for r in by.values() if r["config"] == "dspark_adaptive"]
+    worst_adaptive = min(adaptive, key=lambda r: r.get("speedup_median", r["speedup"]))
+    speedup = target("decode speed-up vs the same engine without DSpark, batch 1", ">=", SPEEDUP_TARGET,
+                     best1["speedup"], note=best1["config"])
+    out = {"target": speedup, "targets": {
+        "accepted": target("tokens per target forward, batch 1, whole block", ">=", ACCEPTED_TARGET,
+                           b1["tokens_per_forward"]),
+        "speedup": speedup,
+        "identical": target("greedy output identical to plain decoding (every run)", "==", True,
+                            all(r["identical"] for r in rows)),
+        # never slower: the default (adaptive) policy against plain at every batch size, median
+        # over rounds (its exploration costs up to about 2% of the decode time by design)
+        "adaptive": target("adaptive DSpark vs plain decoding, worst batch (median over rounds)", ">=", 1.0,
+                           worst_adaptive.get("speedup_median", worst_adaptive["speedup"]),
+                           note=f"batch {worst_adaptive['batch']}"),
+    }}
+    ctx_rows = [r for r in rows if "context" in r and r["config"] != "plain"]
+    for name, wanted, keep in (("contexts", SPEEDUP_TARGET, lambda c: c < LONG_CONTEXT),
+                               ("long_context", LONG_SPEEDUP_TARGET, lambda c: c >= LONG_CONTEXT)):
+        best_at = {}
+        for r in ctx_rows:
+            if keep(r["context"]) and r["speedup"] > best_at.get(r["context"], {"speedup": -1})["speedup"]:
+                best_at[r["context"]] = r
+        if best_at:
+            worst = min(best_at.values(), key=lambda r: r["speedup"])
+            what = (f"decode speed-up vs plain at every context below {LONG_CONTEXT:,} tokens" if name == "contexts"
+                    else f"decode speed-up vs plain at {LONG_CONTEXT:,} tokens and more")
+            out["targets"][name] = target(f"{what}, batch 1 (best configuration)", ">=", wanted, worst["speedup"],
+                                          note=f"worst at {worst['context']:,} tokens, {worst['config']}")
+    return out
