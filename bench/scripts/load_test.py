@@ -5,7 +5,8 @@ long-prompt tenant. Bounded in count and time; never leaves 127.0.0.1.
     .venv/bin/python bench/scripts/load_test.py --clients 16 --no-baseline   # a quick look
 
 It starts `cedlm serve --model tiny` (random weights: the text is gibberish, the work is real) on a
-free loopback port, then runs, after one warm-up request:
+free loopback port, waits until no graph compiles in the background (`compile_wait_s`: the phases
+time the settled step), then runs, after one warm-up request:
 
 - `short_behind_long`: on the idle server, one short streaming request sent 0.5 s after a
   `--long-tokens` prompt (finding 8 on its own): both times to first token;
@@ -79,6 +80,17 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 120.0) -> Non
             pass
         time.sleep(0.2)
     raise SystemExit(f"the server was not ready within {timeout:g} s")
+
+
+def wait_compiled(base: str, timeout: float) -> float:
+    """Wait until no graph compiles in the background (the phases time the server's settled step,
+    not one sharing the machine with its compiler); the seconds waited."""
+    t0 = time.monotonic()
+    while httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0].get("compiling"):
+        if time.monotonic() - t0 > timeout:
+            raise SystemExit(f"the server was still compiling after {timeout:g} s")
+        time.sleep(1.0)
+    return time.monotonic() - t0
 
 
 def metric(base: str, name: str) -> float:
@@ -407,6 +419,8 @@ def main() -> int:
     signal.alarm(int(args.max_seconds))
     try:
         wait_ready(base, proc)
+        compile_wait = wait_compiled(base, 1800.0)
+        signal.alarm(int(args.max_seconds))          # the phases' time limit starts now
         asyncio.run(stream_one_warmup(base))
         if not args.hostile:
             phases.append(asyncio.run(short_behind_long(args, base)))
@@ -427,7 +441,7 @@ def main() -> int:
     report = {"command": " ".join(["python", *sys.argv]), "server_cwd": args.server_cwd,
               "server": {"model": "tiny", "max_num_seqs": args.max_num_seqs, "threads": 1,
                          "max_waiting": args.max_waiting, "queue_timeout": args.queue_timeout},
-              "health_after": health, "phases": phases}
+              "compile_wait_s": round(compile_wait, 1), "health_after": health, "phases": phases}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
