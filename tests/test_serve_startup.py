@@ -42,6 +42,18 @@ def test_serve_flags_parse_without_torch():
     assert got.stdout.strip() == "False"
 
 
+def test_serve_checks_its_http_flags_before_importing_torch():
+    """--http / --loop are checked before the port is bound, without the app or torch: the port
+    listens within a second of the start."""
+    code = ("import sys, argparse\nfrom cedlm.server.cli import _server_libs_error\n"
+            "ok = _server_libs_error(argparse.Namespace(http='auto', loop='auto'))\n"
+            "bad = _server_libs_error(argparse.Namespace(http='spdy', loop='auto'))\n"
+            "print(ok, 'http' in bad, 'torch' in sys.modules, 'starlette' in sys.modules)")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.split() == ["None", "True", "False", "False"], got.stdout
+
+
 @pytest.mark.parametrize("name,mod,help_line", COMMANDS)
 def test_command_table_matches_the_modules(name, mod, help_line):
     import argparse

@@ -33,8 +33,6 @@ import importlib.util
 import logging
 import uuid
 
-from cedlm.server import body_guard
-from cedlm.server.tracing import HEADER as REQUEST_ID_HEADER
 
 DEFAULT_HEADER_TIMEOUT = 10.0
 HTTP_CHOICES = ("auto", "httptools", "h11")
@@ -118,6 +116,8 @@ def buffered(scope: dict) -> bool:
 
 def timeout_response(default_headers) -> bytes:
     """The 408 a body that did not arrive in time gets, as bytes on the wire (BodyGuard's answer)."""
+    from cedlm.server import body_guard
+    from cedlm.server.tracing import HEADER as REQUEST_ID_HEADER
     resp = body_guard.too_slow(body_guard.BODY_TIMEOUT_S, body_guard.MIN_BODY_RATE).response()
     head = [b"HTTP/1.1 408 Request Timeout\r\n"]
     for name, value in [*default_headers, *resp.raw_headers,
@@ -128,6 +128,8 @@ def timeout_response(default_headers) -> bytes:
 
 def _httptools_protocol() -> type:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from cedlm.server import body_guard     # (here: `cedlm serve` checks its flags before importing the app)
 
     class HttpToolsLimits(_HeaderTimer, HttpToolsProtocol):
         _in_headers = True          # from the connection's start and after each response
