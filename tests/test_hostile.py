@@ -783,8 +783,8 @@ def test_a_body_that_trickles_in_gets_408(monkeypatch):
     import socket
     import time
 
-    from cedlm.server import body_guard
-    monkeypatch.setattr(body_guard, "BODY_TIMEOUT_S", 1.0)
+    from cedlm.server import http_protocol
+    monkeypatch.setattr(http_protocol, "BODY_TIMEOUT_S", 1.0)
     app = make_app()
     with serve(app) as base:
         host, port = base.removeprefix("http://").split(":")

@@ -11,7 +11,7 @@ import time
 import pytest
 import uvicorn
 
-from cedlm.server import body_guard
+from cedlm.server import http_protocol as conn
 from cedlm.server.body_guard import BodyGuard
 from cedlm.server.http_protocol import BUFFERED_BODY_BYTES, buffered, http_protocol, resolve_http
 from cedlm.server.tracing import RequestIdMiddleware
@@ -134,7 +134,7 @@ def test_the_app_runs_once_a_small_body_is_complete():
 @pytest.mark.parametrize("http", PARSERS)
 def test_a_trickled_body_gets_the_same_408_with_either_parser(monkeypatch, http):
     """The protocol (httptools, buffered) and BodyGuard (h11) give the same answer at the same deadline."""
-    monkeypatch.setattr(body_guard, "BODY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(conn, "BODY_TIMEOUT_S", 1.0)
     app = Recorder()
     with serve(RequestIdMiddleware(BodyGuard(app)), http) as port:     # as the server composes them
         s = socket.create_connection(("127.0.0.1", port))

@@ -42,12 +42,14 @@ def test_serve_flags_parse_without_torch():
     assert got.stdout.strip() == "False"
 
 
-def test_serve_checks_its_http_flags_before_importing_torch():
-    """--http / --loop are checked before the port is bound, without the app or torch: the port
-    listens within a second of the start."""
+def test_serve_checks_its_http_flags_and_makes_its_protocol_without_torch():
+    """--http / --loop are checked before the port is bound, and uvicorn's protocol class is made,
+    without the app or torch: the server answers /health ("loading") within a second of the start."""
     code = ("import sys, argparse\nfrom cedlm.server.cli import _server_libs_error\n"
             "ok = _server_libs_error(argparse.Namespace(http='auto', loop='auto'))\n"
             "bad = _server_libs_error(argparse.Namespace(http='spdy', loop='auto'))\n"
+            "from cedlm.server.http_protocol import http_protocol\n"
+            "classes = [http_protocol(10.0, 'httptools'), http_protocol(10.0, 'h11')]\n"
             "print(ok, 'http' in bad, 'torch' in sys.modules, 'starlette' in sys.modules)")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert got.returncode == 0, got.stderr

@@ -4,7 +4,7 @@
 absent, which FastAPI parses as JSON too), then:
 
 - bounds the time it takes: the body must arrive within `BODY_TIMEOUT_S` seconds plus one second
-  per `MIN_BODY_RATE` bytes received so far (a client sending at least that fast is never cut;
+  per `MIN_BODY_RATE` bytes received so far (the connection's rule, `http_protocol.py`) (a client sending at least that fast is never cut;
   one that trickles a byte at a time is cut after about `BODY_TIMEOUT_S`): 408 (code
   `request_timeout`, `connection: close`) naming the limit. The header timeout
   (`http_protocol.py`) ends once the headers are in, so a slow body held its connection and its
@@ -28,14 +28,13 @@ import asyncio
 
 from starlette.concurrency import run_in_threadpool
 
+from cedlm.server import http_protocol as conn
 from cedlm.server.errors import APIError
 from cedlm.server.protocol.json_depth import containers_over, deeper_than
 from cedlm.server.protocol.params import MAX_DEPTH
 
 _METHODS = frozenset({"POST", "PUT", "PATCH"})
 _INLINE_BYTES = 256 << 10          # larger bodies are measured in a worker thread (numpy frees the GIL)
-BODY_TIMEOUT_S = 10.0              # seconds a body may take, plus one per MIN_BODY_RATE bytes received
-MIN_BODY_RATE = 64 << 10           # bytes per second
 MAX_CONTAINERS = 100_000           # JSON arrays and objects in one body (4,096 messages of 16 each: 65,536)
 
 
@@ -72,8 +71,8 @@ def body_error(body: bytes, max_depth: int = MAX_DEPTH, max_containers: int | No
 
 
 def too_slow(timeout: float, rate: int) -> APIError:
-    return APIError(408, f"request body: not received in time (a body may take {timeout:g} s plus 1 s per "
-                         f"{rate} bytes)", code="request_timeout", headers={"connection": "close"})
+    return APIError(408, conn.too_slow_message(timeout, rate), code="request_timeout",
+                    headers={"connection": "close"})
 
 
 class BodyGuard:
@@ -81,8 +80,8 @@ class BodyGuard:
 
     def __init__(self, app, max_depth: int = MAX_DEPTH, timeout: float | None = None, min_rate: int | None = None):
         self.app, self.max_depth = app, int(max_depth)
-        self.timeout = BODY_TIMEOUT_S if timeout is None else float(timeout)
-        self.min_rate = MIN_BODY_RATE if min_rate is None else int(min_rate)
+        self.timeout = conn.BODY_TIMEOUT_S if timeout is None else float(timeout)
+        self.min_rate = conn.MIN_BODY_RATE if min_rate is None else int(min_rate)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not _json_body(scope):

@@ -18,9 +18,9 @@ cedlm, when it is installed, as uvicorn picks) with:
   client trickling its body a byte at a time costs one parser call per byte, not a wake-up of the
   app's middleware chain, and holds a few objects rather than the app's coroutines, closures and
   scope (thousands of such connections made every full garbage collection walk them, holding the
-  GIL while every stream waited). The body deadline is the app's (`body_guard.py`: `BODY_TIMEOUT_S`
-  plus one second per `MIN_BODY_RATE` bytes received); a body not in by then is answered here with
-  the same 408 (`request_timeout`, `connection: close`, an `x-request-id`). Bodies announced
+  GIL while every stream waited). The body deadline (`BODY_TIMEOUT_S` plus one second per `MIN_BODY_RATE`
+  bytes received, the same rule `body_guard.py` applies to the bodies the app reads) not met, the
+  body is answered here with the same 408 (`request_timeout`, `connection: close`, an `x-request-id`). Bodies announced
   larger, chunked bodies, `Expect: 100-continue` and every other method go to the app as they
   arrive (the body-size limit refuses an oversized one from its header; `BodyGuard` times it).
 
@@ -30,11 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import logging
 import uuid
 
 
 DEFAULT_HEADER_TIMEOUT = 10.0
+BODY_TIMEOUT_S = 10.0              # seconds a body may take, plus one per MIN_BODY_RATE bytes received
+MIN_BODY_RATE = 64 << 10           # bytes per second
+REQUEST_ID_HEADER = "x-request-id"  # every response carries one (server/tracing.py)
 HTTP_CHOICES = ("auto", "httptools", "h11")
 BUFFERED_BODY_BYTES = 64 << 10          # uvicorn's HIGH_WATER_LIMIT: reading never pauses below it
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -114,22 +118,27 @@ def buffered(scope: dict) -> bool:
     return n is not None and 0 < n <= BUFFERED_BODY_BYTES
 
 
+def too_slow_message(timeout: float, rate: int) -> str:
+    return f"request body: not received in time (a body may take {timeout:g} s plus 1 s per {rate} bytes)"
+
+
 def timeout_response(default_headers) -> bytes:
-    """The 408 a body that did not arrive in time gets, as bytes on the wire (BodyGuard's answer)."""
-    from cedlm.server import body_guard
-    from cedlm.server.tracing import HEADER as REQUEST_ID_HEADER
-    resp = body_guard.too_slow(body_guard.BODY_TIMEOUT_S, body_guard.MIN_BODY_RATE).response()
+    """The 408 a body that did not arrive in time gets, as bytes on the wire: the OpenAI error
+    shape BodyGuard answers with (`body_guard.too_slow`), built here so that the protocol needs
+    nothing of the app (`cedlm serve` answers /health before the app and torch are imported)."""
+    body = json.dumps({"error": {"message": too_slow_message(BODY_TIMEOUT_S, MIN_BODY_RATE),
+                                 "type": "invalid_request_error", "param": None,
+                                 "code": "request_timeout"}}, separators=(",", ":")).encode()
     head = [b"HTTP/1.1 408 Request Timeout\r\n"]
-    for name, value in [*default_headers, *resp.raw_headers,
+    for name, value in [*default_headers, (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()), (b"connection", b"close"),
                         (REQUEST_ID_HEADER.encode(), uuid.uuid4().hex.encode())]:
         head += [name, b": ", value, b"\r\n"]
-    return b"".join(head) + b"\r\n" + resp.body
+    return b"".join(head) + b"\r\n" + body
 
 
 def _httptools_protocol() -> type:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    from cedlm.server import body_guard     # (here: `cedlm serve` checks its flags before importing the app)
 
     class HttpToolsLimits(_HeaderTimer, HttpToolsProtocol):
         _in_headers = True          # from the connection's start and after each response
@@ -152,7 +161,7 @@ def _httptools_protocol() -> type:
         def _start_asgi_task(self, cycle, app) -> None:
             if self._waiting is None and cycle.more_body and buffered(cycle.scope):
                 self._waiting = (cycle, app, self.loop.time())
-                self._body_timer = self.loop.call_later(body_guard.BODY_TIMEOUT_S, self._body_expired)
+                self._body_timer = self.loop.call_later(BODY_TIMEOUT_S, self._body_expired)
                 return
             super()._start_asgi_task(cycle, app)
 
@@ -174,7 +183,7 @@ def _httptools_protocol() -> type:
             if self._waiting is None or self.transport.is_closing():
                 return
             cycle, _, started = self._waiting
-            due = started + body_guard.BODY_TIMEOUT_S + len(cycle.body) / body_guard.MIN_BODY_RATE
+            due = started + BODY_TIMEOUT_S + len(cycle.body) / MIN_BODY_RATE
             if self.loop.time() < due:                       # bytes came meanwhile: the deadline moved
                 self._body_timer = self.loop.call_at(due, self._body_expired)
                 return

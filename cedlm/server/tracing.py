@@ -21,13 +21,14 @@ import uuid
 
 from cedlm.engine.output import StepOutput
 from cedlm.server.errors import APIError
+from cedlm.server.http_protocol import REQUEST_ID_HEADER
 
 __all__ = ["HEADER", "MAX_ID_LEN", "RequestIdMiddleware", "ThroughputLog", "engine_request_id", "log_finished",
            "request_id_of"]
 
 log = logging.getLogger("cedlm.server")
 
-HEADER = "x-request-id"
+HEADER = REQUEST_ID_HEADER
 MAX_ID_LEN = 128
 _VALID = re.compile(rf"[\x21-\x7e]{{1,{MAX_ID_LEN}}}")
 
