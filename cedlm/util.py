@@ -144,16 +144,14 @@ def describe_device(dev) -> str:
     return f"cpu ({torch.get_num_threads()} torch threads)"
 
 
-def freeze_heap(collect: bool = True) -> int:
+def freeze_heap(collect: bool = True) -> None:
     """Move every object alive now out of the garbage collector's reach (`gc.freeze`), after
     collecting what is garbage already (`collect`): the model, its modules and the imported
     libraries live as long as the process, and without this each full collection walks them all
     again while holding the GIL (about 0.4 s in a serving process, every few seconds while many
     connections allocate), stalling every stream. Later garbage is still collected; objects
-    reachable from the frozen ones are freed by reference counting as usual. Returns the number of
-    objects frozen so far."""
+    reachable from the frozen ones are freed by reference counting as usual."""
     import gc
     if collect:
         gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()

@@ -22,24 +22,27 @@ def _cli(*args: str, env=None, timeout=60) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env)
 
 
+def _python(code: str) -> str:
+    """Run `code` in a fresh interpreter; its stdout (the test fails on a non-zero exit)."""
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    return got.stdout
+
+
 def test_help_imports_no_torch():
     code = ("import sys, contextlib, io\nfrom cedlm.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
             "    try:\n        main(['--help'])\n    except SystemExit:\n        pass\n"
             "assert 'serve' in out.getvalue() and 'bench' in out.getvalue()\n"
             "print('torch' in sys.modules)")
-    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert got.returncode == 0, got.stderr
-    assert got.stdout.strip() == "False"
+    assert _python(code).strip() == "False"
 
 
 def test_serve_flags_parse_without_torch():
     code = ("import sys\nfrom cedlm.cli import build_parser\n"
             "p = build_parser('serve')\np.parse_args(['serve', '--port', '8001'])\n"
             "print('torch' in sys.modules)")
-    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert got.returncode == 0, got.stderr
-    assert got.stdout.strip() == "False"
+    assert _python(code).strip() == "False"
 
 
 def test_serve_checks_its_http_flags_and_makes_its_protocol_without_torch():
@@ -51,9 +54,8 @@ def test_serve_checks_its_http_flags_and_makes_its_protocol_without_torch():
             "from cedlm.server.http_protocol import http_protocol\n"
             "classes = [http_protocol(10.0, 'httptools'), http_protocol(10.0, 'h11')]\n"
             "print(ok, 'http' in bad, 'torch' in sys.modules, 'starlette' in sys.modules)")
-    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert got.returncode == 0, got.stderr
-    assert got.stdout.split() == ["None", "True", "False", "False"], got.stdout
+    out = _python(code)
+    assert out.split() == ["None", "True", "False", "False"], out
 
 
 @pytest.mark.parametrize("name,mod,help_line", COMMANDS)

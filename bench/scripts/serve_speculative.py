@@ -31,7 +31,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import HOST, free_port, wait_ready  # noqa: E402
+from load_test import HOST, free_port, wait_compiled, wait_ready  # noqa: E402
 
 from cedlm.bench.common import git_commit  # noqa: E402
 
@@ -113,11 +113,7 @@ def serve_and_measure(speculative: bool, ps: list[str], args) -> dict:
     try:
         base = f"http://{HOST}:{port}"
         wait_ready(base, proc, timeout=args.ready_timeout)
-        deadline = time.monotonic() + args.ready_timeout
-        while httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0].get("compiling"):
-            if time.monotonic() > deadline:           # graphs building in the background: timed after
-                raise SystemExit(f"the server was still compiling after {args.ready_timeout:g} s")
-            time.sleep(1.0)
+        wait_compiled(base, args.ready_timeout)       # graphs building in the background: timed after
         out = asyncio.run(measure(base, ps, args.max_tokens))
         out["decode_step"] = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0].get("decode_step")
         return out

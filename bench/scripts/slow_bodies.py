@@ -24,14 +24,15 @@ import json
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load_test import HOST, free_port, wait_compiled, wait_ready  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
-HOST = "127.0.0.1"
 MODEL = "cedlm-tiny"
 
 # a process of its own: bystanders back to back and /health, /v1/models polled; stops when a line
@@ -89,12 +90,6 @@ print(json.dumps({"worst": worst, "errors": errors[:10], "n_errors": len(errors)
                   "identical": sum(t == first for t, _ in runs),
                   "gap": max((g for _, g in runs), default=None)}))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def peak_rss_mib(pid: int) -> float | None:
@@ -177,23 +172,8 @@ def main() -> int:
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})      # (the raised file limit is inherited)
     try:
-        t0 = time.monotonic()
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() - t0 > 300:
-                raise SystemExit("the server did not start")
-            time.sleep(0.2)
-        httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "warm up", "max_tokens": 2},
-                   timeout=120)
-        while True:                               # graphs compiling in the background: measured after
-            card = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]
-            if not card.get("compiling") or time.monotonic() - t0 > 1800:
-                break
-            time.sleep(2.0)
+        wait_ready(base, server, timeout=300)
+        wait_compiled(base, 1800)                 # graphs compiling in the background: measured after
         httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "warm up", "max_tokens": 2},
                    timeout=120)                   # the engine switches to a built graph at a step
         card = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]

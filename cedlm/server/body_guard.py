@@ -3,9 +3,10 @@
 `BodyGuard` receives the whole body of a POST / PUT / PATCH request whose content type is JSON (or
 absent, which FastAPI parses as JSON too), then:
 
-- bounds the time it takes: the body must arrive within `BODY_TIMEOUT_S` seconds plus one second
-  per `MIN_BODY_RATE` bytes received so far (the connection's rule, `http_protocol.py`) (a client sending at least that fast is never cut;
-  one that trickles a byte at a time is cut after about `BODY_TIMEOUT_S`): 408 (code
+- bounds the time it takes, by the connection's rule (`http_protocol.py`): the body must arrive
+  within `BODY_TIMEOUT_S` seconds plus one second per `MIN_BODY_RATE` bytes received so far (a
+  client sending at least that fast is never cut; one that trickles a byte at a time is cut after
+  about `BODY_TIMEOUT_S`): 408 (code
   `request_timeout`, `connection: close`) naming the limit. The header timeout
   (`http_protocol.py`) ends once the headers are in, so a slow body held its connection and its
   handler as long as the client liked;
@@ -33,13 +34,12 @@ from cedlm.server.errors import APIError
 from cedlm.server.protocol.json_depth import containers_over, deeper_than
 from cedlm.server.protocol.params import MAX_DEPTH
 
-_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _INLINE_BYTES = 256 << 10          # larger bodies are measured in a worker thread (numpy frees the GIL)
 MAX_CONTAINERS = 100_000           # JSON arrays and objects in one body (4,096 messages of 16 each: 65,536)
 
 
 def _json_body(scope) -> bool:
-    if scope.get("method") not in _METHODS:
+    if scope.get("method") not in conn.BODY_METHODS:
         return False
     for k, v in scope.get("headers", ()):
         if k == b"content-type":

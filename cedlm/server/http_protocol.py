@@ -41,7 +41,7 @@ MIN_BODY_RATE = 64 << 10           # bytes per second
 REQUEST_ID_HEADER = "x-request-id"  # every response carries one (server/tracing.py)
 HTTP_CHOICES = ("auto", "httptools", "h11")
 BUFFERED_BODY_BYTES = 64 << 10          # uvicorn's HIGH_WATER_LIMIT: reading never pauses below it
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})   # the methods whose bodies the app reads
 log = logging.getLogger("cedlm.server")
 
 
@@ -104,7 +104,7 @@ def _h11_protocol() -> type:
 
 def buffered(scope: dict) -> bool:
     """Whether a request's body is read in full before its app task starts (module docstring)."""
-    if scope.get("method") not in _BODY_METHODS:
+    if scope.get("method") not in BODY_METHODS:
         return False
     n = None
     for k, v in scope.get("headers", ()):
