@@ -19,6 +19,7 @@ uncaptured), skipped with the reason otherwise."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,20 +256,68 @@ def test_engine_args_decode_step():
 @pytest.mark.ahead
 @pytest.mark.compiled
 @ON_DEVICES
-def test_compiled_step_matches_reference_every_layer_kind(every_kind, device):
+def test_compiled_step_matches_reference_every_layer_kind(every_kind, device, tmp_path):
     """The step through torch.compile (inductor; Triton on CUDA) of the 6-layer model with every
     layer kind at the shipped widths (`every_kind_config`): batch 1 (the window ring wraps), then
     batch 3 (the graph for >= 2), one step object: each graph compiled once. The shipped model's
     12 layers take about twice the compile time of the same graphs (measured cold, batch 1:
     ~250 s of CPU against ~130 s): test_compiled_step_matches_reference, slow. A 12-layer model
     of these widths (CED-small, the benchmark's) is compiled for real in the default suite by
-    test_bench.test_quick_compiled_step (batch 1, not fallen back)."""
+    test_bench.test_quick_compiled_step (batch 1, not fallen back). The graphs go through the
+    graph store (`graph_store.py`: saved on the first run on a machine, loaded on later ones),
+    and a second process loads both and computes the same logits bit for bit."""
     model = every_kind if device == "cpu" else copy.deepcopy(every_kind).to(device)
     step = CompiledDecode(model, "compiled")
     compared, differ = _run(model, "compiled", _prompts(1, [61]), 8, step=step)
     assert differ <= 1
     compared, differ = _run(model, "compiled", _prompts(3, [5, 40, 130], seed=1), 5, step=step)
     assert differ <= 1
+    # both graphs came through the graph store (compiled and saved, or loaded: never the lazy
+    # fallback), and a new process loads them without tracing and computes the same logits
+    assert sorted(step.fn.source.values()) in (["compiled"] * 2, ["loaded"] * 2,
+                                               ["compiled", "loaded"]), step.fn.source
+    if device == "cpu":
+        got = _load_in_a_new_process(tmp_path)
+        for B in (1, 3):
+            assert got[f"how{B}"] == "loaded"
+            assert torch.equal(got[f"logits{B}"], _first_logits(step, B))
+
+
+_SCRATCH = """
+import sys, torch
+from cedlm.model import CEDModel
+from cedlm.model.compiled_step import CompiledDecode
+from tests.test_compiled_step import every_kind_config, _first_logits
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = CEDModel(every_kind_config(initializer_range=0.08)).eval()
+step = CompiledDecode(model, "compiled")
+got = {}
+for B in (1, 3):
+    got[f"logits{B}"] = _first_logits(step, B)
+    got[f"how{B}"] = step.fn.last
+torch.save(got, sys.argv[1])
+"""
+
+
+@torch.no_grad()
+def _first_logits(step, B):
+    """The step's logits after prefilling the prompts the test's run starts from (B = 1 or 3: the
+    shapes its graphs were captured on), ids 5, 6, ..."""
+    prompts = _prompts(1, [61]) if B == 1 else _prompts(3, [5, 40, 130], seed=1)
+    states = [step.model.new_state() for _ in prompts]
+    for p, st in zip(prompts, states):
+        step.model.prefill(p, st)
+    return step.forward(torch.arange(B) + 5, states)[0]
+
+
+def _load_in_a_new_process(tmp_path) -> dict:
+    import subprocess
+    import sys
+    out = tmp_path / "got.pt"
+    subprocess.run([sys.executable, "-c", _SCRATCH, str(out)], check=True, timeout=600,
+                   cwd=str(Path(__file__).resolve().parents[1]))
+    return torch.load(out)
 
 
 def test_regions_compile_each_layer_kind_once(shipped, monkeypatch):

@@ -36,6 +36,7 @@ import weakref
 import torch
 
 from cedlm.config.modes import DECODE_STEPS
+from cedlm.model import graph_store
 from cedlm.model.block import Block
 from cedlm.model.model import decode_step, engram_rows, prepare_static
 from cedlm.model.static_kv import StepShapes
@@ -115,18 +116,63 @@ def _opt_level_flags() -> None:
     cpp_builder._get_optimization_cflags = flags
 
 
-def compile_step(device, fn=None, one_row_products: bool = False):
+def stored_step(model, name: str, fn=None, one_row_products: bool = False):
+    """The compiled step `fn` (default `model.decode_step`) for `model`, its graphs saved to and
+    loaded from the graph store (`graph_store.py`); the lazily compiled function alone when the
+    store is off (CEDLM_GRAPH_STORE=0) or the backend is not inductor."""
+    lazy = compile_step(model.device, fn, one_row_products)
+    if BACKEND != "inductor" or not graph_store.enabled():
+        return lazy
+    return graph_store.GraphStore(model, name, lazy,
+                                  lambda: compile_step(model.device, fn, one_row_products, portable=True),
+                                  extra={"opt": OPT_LEVEL, "one_row_products": one_row_products},
+                                  config=inductor_options(model.device, one_row_products))
+
+
+def _portable_guards(entries):
+    """The guards a stored graph keeps (`graph_store.py`): tensor metadata, shape relations and
+    global state, none on the model's modules (the store's key covers the model)."""
+    keep = torch.compiler.keep_portable_guards_unsafe(entries)
+    return [k and not e.orig_guard.source.is_unspecialized_nn_module() for k, e in zip(keep, entries)]
+
+
+def compile_step(device, fn=None, one_row_products: bool = False, portable: bool = False):
     """`fn` (default `model.decode_step`; a copy of its own, `own_copy`) through torch.compile for
     a model on `device`: the decode step's graphs (`one_row_products`), the verify step's or
-    the draft step's (`dspark_steps.py`)."""
+    the draft step's (`dspark_steps.py`); portable: with the guards a stored graph keeps."""
+    # The guards on the model's modules and parameters (hundreds of checks, measured at 2.8 ms
+    # of a 9 ms step) are dropped: this object compiles its own copy of the step for one model,
+    # whose structure does not change; what could change is checked by `why_not` before every
+    # call (decisions attached, training mode) or is an input (Engram rows looked up on the host
+    # when the table is offloaded: None or not, guarded). The guards on the step's tensor inputs
+    # stay.
+    guards = _portable_guards if portable else torch.compiler.skip_guard_on_all_nn_modules_unsafe
     if BACKEND != "inductor":
         return torch.compile(own_copy(fn or decode_step), backend=BACKEND, fullgraph=True,
-                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-    options = {}
+                             options={"guard_filter_fn": guards})
     if torch.device(device).type == "cpu":
         _opt_level_flags()
+    return torch.compile(own_copy(fn or decode_step), fullgraph=True, options={
+        **inductor_options(device, one_row_products), "guard_filter_fn": guards})
+
+
+def inductor_options(device, one_row_products: bool = False) -> dict:
+    """Inductor's settings for a step's graphs: while compiling, and while loading a stored graph
+    (`graph_store.py`: its C++ is built, or found in inductor's cache, under the same flags)."""
+    cpu = torch.device(device).type == "cpu"
+    options = {
+        # On the CPU the graph's kernels are called from generated C++ rather than a generated
+        # Python function, one Python call per step instead of one per kernel (the shipped
+        # model at 512 tokens, batch 1: 7.3 -> 6.0 ms per token; its first compile takes
+        # longer, about 3 min cold, then loads from the cache).
+        "cpp_wrapper": cpu,
+        # The generated C++ reads the thread count when it runs instead of baking it in, so the
+        # cached graphs serve `cedlm serve` (1 thread) and `cedlm generate` (2) alike: inductor
+        # keys its cache by the thread count it specialised on.
+        "cpp.dynamic_threads": True}
+    if cpu:
         options["aot_inductor.enable_line_tables"] = False
-    if one_row_products and torch.device(device).type == "cpu":
+    if one_row_products and cpu:
         # The decode step's one-row products (batch 1) as multiply-and-sum loops that inductor
         # generates and fuses with their neighbours, not calls of MKL's matrix-vector product:
         # inductor's own pass (`decompose_mm_pass`; on the CPU it takes products of one row, up
@@ -135,24 +181,7 @@ def compile_step(device, fn=None, one_row_products: bool = False):
         # read). Graphs of several rows (batch >= 2, the verify and draft steps) keep MKL.
         options["post_grad_fusion_options"] = {
             "decompose_mm_pass": {"cpu_max_other_dimension_decomposition": 1 << 20}}
-    return torch.compile(own_copy(fn or decode_step), fullgraph=True, options={
-        **options,
-        # The guards on the model's modules and parameters (hundreds of checks, measured
-        # at 2.8 ms of a 9 ms step) are dropped: this object compiles its own copy of the
-        # step for one model, whose structure does not change; what could change is
-        # checked by `why_not` before every call (decisions attached, training mode) or
-        # is an input (Engram rows looked up on the host when the table is offloaded:
-        # None or not, guarded). The guards on the step's tensor inputs stay.
-        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-        # On the CPU the graph's kernels are called from generated C++ rather than a
-        # generated Python function, one Python call per step instead of one per kernel
-        # (the shipped model at 512 tokens, batch 1: 7.3 -> 6.0 ms per token; its first
-        # compile takes longer, about 3 min cold, then loads from the cache).
-        "cpp_wrapper": torch.device(device).type == "cpu",
-        # The generated C++ reads the thread count when it runs instead of baking it in, so the
-        # cached graphs serve `cedlm serve` (1 thread) and `cedlm generate` (2) alike: inductor
-        # keys its cache by the thread count it specialised on.
-        "cpp.dynamic_threads": True})
+    return options
 
 
 class Regions:
@@ -221,6 +250,24 @@ def error_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [""])[0][:200]
 
 
+def call(fn, graph: str, *args):
+    """`fn(*args)`; a stored step (`graph_store.GraphStore`) also told which graph the call runs
+    (`graph_name`), which spares it working that out from the arguments at every step."""
+    if isinstance(fn, graph_store.GraphStore):
+        return fn(*args, graph=graph)
+    return fn(*args)
+
+
+def how(fn) -> str:
+    """How a compiled step's last graph came, for its log line."""
+    last = getattr(fn, "last", None)
+    if last == "loaded":
+        return "loaded from the graph store"
+    if last == "compiled":
+        return "compiled (saved to the graph store for the next start)"
+    return "compiled (inductor; its code cached on disk)"
+
+
 def run_step(step, name: str, uncompiled, args, graph: str):
     """`step.fn(*args)` for a step object compiled apart from the decode step (the verify and
     draft steps: `fn`, `compile`, `compile_s`, `log`): if torch.compile fails (no compiler
@@ -228,7 +275,7 @@ def run_step(step, name: str, uncompiled, args, graph: str):
     `graph` is timed into `compile_s` (and logged)."""
     t0 = time.perf_counter()
     try:
-        result = step.fn(*args)
+        result = call(step.fn, graph, *args)
     except Exception as e:
         if not step.compile:
             raise
@@ -239,7 +286,7 @@ def run_step(step, name: str, uncompiled, args, graph: str):
     if step.compile and graph not in step.compile_s:
         step.compile_s[graph] = time.perf_counter() - t0
         if step.log:
-            step.log(f"{name} compiled for batch {graph} in {step.compile_s[graph]:.1f} s")
+            step.log(f"{name} {how(step.fn)} for batch {graph} in {step.compile_s[graph]:.1f} s")
     return result
 
 
@@ -304,7 +351,7 @@ class CompiledDecode:
         self.fn = self.uncompiled = decode_step
         if self.compile:
             self.fn = (Regions(model, self.device) if REGIONS else
-                       compile_step(self.device, one_row_products=True))
+                       stored_step(model, "decode", one_row_products=True))
         # the modules whose state can take a call off the step (decisions), and the Engram
         # modules (an offloaded table: its rows are looked up on the host, before the step)
         self._watched = [mod for mod in model.modules() if hasattr(mod, "decisions")]
@@ -390,12 +437,13 @@ class CompiledDecode:
         then on (nothing was written yet)."""
         shapes = self.shape_for(states, paged)
         args, copied = self._inputs(ids, states)
+        graph = graph_name(len(states), shapes.flat)
         t0 = time.perf_counter()
         try:
             if self.graphs is not None:
                 logits, out = self.graphs(shapes, args, copied)
             else:
-                logits, out = self.fn(shapes, *args)
+                logits, out = call(self.fn, graph, shapes, *args)
         except Exception as e:
             # torch.compile without a compiler or Python headers, an inductor bug, a CUDA graph
             # capture that fails: the same step uncompiled (nothing was written yet)
@@ -403,12 +451,10 @@ class CompiledDecode:
                 raise
             self._give_up_compiling(e)
             logits, out = self.fn(shapes, *args)
-        graph = graph_name(len(states), shapes.flat)
         if self.compile and graph not in self.compile_s:
             self.compile_s[graph] = time.perf_counter() - t0
             if self.log:
-                self.log(f"decode step compiled for batch {graph} in {self.compile_s[graph]:.1f} s "
-                         f"(inductor; cached on disk for the next start)")
+                self.log(f"decode step {how(self.fn)} for batch {graph} in {self.compile_s[graph]:.1f} s")
         for label, sec in (self.graphs.capture_s.items() if self.graphs is not None else ()):
             if label not in self.compile_s:
                 self.compile_s[label] = sec

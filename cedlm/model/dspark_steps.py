@@ -35,8 +35,8 @@ from cedlm.model import dspark
 from cedlm.model.model import decode_step
 from cedlm.model.rollback import mark, rollback, verify
 from cedlm.model.static_kv import StepShapes
-from cedlm.model.compiled_step import (CompiledDecode, compile_step, graph_name, mark_dynamic,
-                                       run_step, scratch_states)
+from cedlm.model.compiled_step import (CompiledDecode, graph_name, mark_dynamic, run_step,
+                                       scratch_states, stored_step)
 from cedlm.model.state import SequenceState
 
 
@@ -72,7 +72,7 @@ class VerifyStep:
         self.compile = decoder.mode == "compiled"
         self.fn = self.uncompiled = decode_step
         if self.compile:                         # a graph of its own (options as the decode step's)
-            self.fn = compile_step(decoder.device)
+            self.fn = stored_step(decoder.model, f"verify{T}")
         self._shapes: dict[bool, StepShapes] = {}
         self.compile_s: dict[str, float] = {}
         self.log = log
@@ -162,7 +162,7 @@ class DraftStep:
         self.decoder, self.model = decoder, decoder.model
         self.compile = decoder.mode == "compiled"
         self.uncompiled = dspark.draft_step
-        self.fn = compile_step(decoder.device, dspark.draft_step) if self.compile else dspark.draft_step
+        self.fn = stored_step(decoder.model, "draft", dspark.draft_step) if self.compile else dspark.draft_step
         self.compile_s: dict[str, float] = {}
         self.log = log
 
