@@ -195,10 +195,13 @@ class GraphStore:
                 with torch._inductor.config.patch(self.config):
                     fn = torch.compiler.load_compiled_function(io.BytesIO(path.read_bytes()),
                                                               external_data=ext)
-                os.utime(path)                              # recently used: kept by `_trim`
                 self.source[key] = "loaded"
                 log.info("%s step: graph loaded from %s in %.1f s", self.name, path,
                          time.perf_counter() - t0)
+                try:
+                    os.utime(path)                          # recently used: kept by `_trim`
+                except OSError:                             # a store read-only to this user
+                    pass
                 return fn
             except Exception as e:                          # another torch, a damaged file
                 log.warning("%s step: the stored graph %s does not load (%s: %s); building it again",
