@@ -8,6 +8,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def cache_root() -> Path:
+    """cedlm's cache folder: $CEDLM_CACHE_DIR, else ~/.cache/cedlm."""
+    return Path(os.environ.get("CEDLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cedlm"))
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temp file in the same directory, fsync, then rename: never a half-written file."""
     path = Path(path)

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from cedlm.util import freeze_heap
+from cedlm.util import cache_root, freeze_heap
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,7 @@ HEARTBEAT_S = 30.0          # a "still compiling" line this often
 
 
 def times_path() -> Path:
-    root = os.environ.get("CEDLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cedlm")
-    return Path(root) / "compile_times.json"
+    return cache_root() / "compile_times.json"
 
 
 def _load_times() -> dict[str, float]:

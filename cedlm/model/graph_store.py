@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch._inductor.config
 
-from cedlm.util import atomic_write_bytes
+from cedlm.util import atomic_write_bytes, cache_root
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,7 @@ def enabled() -> bool:
 
 
 def store_dir() -> Path:
-    root = os.environ.get("CEDLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cedlm")
-    return Path(root) / "graphs"
+    return cache_root() / "graphs"
 
 
 @lru_cache(maxsize=1)
