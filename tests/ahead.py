@@ -1,19 +1,28 @@
-"""Run the suite's longest single-process tests on the second core, beside everything else.
+"""Run the suite on both cores: a background pytest process beside the foreground one.
 
-The suite runs its tensors on one thread (conftest.py), so on a 2-core machine one core is idle
-for most of a run, while a few tests that each run one long process (torch.compile of a decode
-graph, the kernels built from an installed wheel, the numerics files re-run under other
-instruction sets) are a third of a cold run. Those tests carry the `ahead` marker. When a run
-selects them and other tests too, the suite starts one background pytest process at collection,
-at nice 10, that runs exactly the selected `ahead` tests, in order, and writes each one's outcome
-to a report file (this module is that process's plugin); the foreground run moves the `ahead`
-tests to its end and, for each, waits for its outcome and reports it as its own: passed, failed
-with the background run's failure text, or skipped with its reason. Their durations, as the
-background run measured them, are listed at the end of the run.
+The suite runs its tensors on one thread (conftest.py), so on a 2-core machine one core would be
+idle for most of a run. When a run selects tests from more than one file, the suite starts one
+background pytest process at collection, at nice 10, that runs
 
-A test runs once either way and can fail either way. `CEDLM_AHEAD=0` runs everything in the
-foreground; so do a single-CPU machine, `--collect-only`, and a run that selects only `ahead`
-tests. The background process runs with `CEDLM_AHEAD=0` (nothing nested starts another).
+1. the tests marked `ahead`, in order: each runs one long process (torch.compile of a decode
+   graph, the kernels built from an installed wheel, the numerics files re-run under other
+   instruction sets), which the foreground would otherwise wait for;
+2. then the selected test files it may share, from the last file to the first, while the
+   foreground runs them from the first. A file runs whole in one process: whichever process
+   starts it first claims it (an exclusive create in the run's claims folder) and the other
+   passes it by. Files marked `foreground` (their tests time wall-clock gaps and latencies,
+   which the foreground, at normal priority, measures faithfully) are never shared.
+
+The foreground moves the `ahead` tests to its end. For each `ahead` test and each test of a file
+the background claimed, it waits for that test's outcome there and reports it as its own,
+phase by phase, without running the test or its fixtures: passed, failed with the background
+run's failure text and captured output, or skipped with its reason. A test runs once either way
+and can fail either way; a test the background run never reached fails.
+
+`CEDLM_AHEAD=0` runs everything in the foreground; so do a single-CPU machine, `--collect-only`,
+a run of one file, and a run that selects only `ahead` tests. The background process runs with
+`CEDLM_AHEAD=0` (nothing nested starts another) and follows the plan file named by
+`CEDLM_AHEAD_PLAN`; this module is its plugin.
 """
 from __future__ import annotations
 
@@ -27,17 +36,23 @@ import time
 from pathlib import Path
 
 import pytest
+from _pytest.reports import TestReport
 
 ENV = "CEDLM_AHEAD"
-REPORT_ENV = "CEDLM_AHEAD_REPORT"     # set in the background process: where it writes outcomes
+PLAN_ENV = "CEDLM_AHEAD_PLAN"        # set in the background process: its plan (JSON)
 MARK = "ahead"
+STAY = "foreground"
 WAIT_S = 3600.0                       # the most the foreground waits for one test's outcome
 NICE = 10
 
 
 def wanted(config) -> bool:
     return (os.environ.get(ENV, "1").strip() != "0" and (os.cpu_count() or 1) >= 2
-            and not config.option.collectonly)
+            and not config.option.collectonly and not os.environ.get(PLAN_ENV))
+
+
+def file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
 
 
 def ahead_last(items: list) -> list[str]:
@@ -48,83 +63,203 @@ def ahead_last(items: list) -> list[str]:
     return [it.nodeid for it in marked]
 
 
+def shareable(items: list) -> list[str]:
+    """Node ids of the items the background may take: every item that is not `ahead`, of a file
+    none of whose selected items is marked `foreground`; files from the last to the first,
+    each file's items in order."""
+    stay = {file_of(it.nodeid) for it in items if it.get_closest_marker(STAY)}
+    files: dict[str, list[str]] = {}
+    for it in items:
+        f = file_of(it.nodeid)
+        if f not in stay and not it.get_closest_marker(MARK):
+            files.setdefault(f, []).append(it.nodeid)
+    return [n for f in reversed(list(files)) for n in files[f]]
+
+
+def claim_path(folder: Path, file: str) -> Path:
+    return folder / file.replace("/", "__").replace(os.sep, "__")
+
+
+def claim(folder: Path, file: str) -> bool:
+    """Claim `file` for this process: True for the first caller of either process, once."""
+    try:
+        os.close(os.open(claim_path(folder, file), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except FileExistsError:
+        return False
+
+
 # ------------------------------------------------------------------ the background process's side
+class _Follow:
+    """(Background process) the plan: which items to run, in which order, what to claim first."""
+
+    def __init__(self, path: str):
+        plan = json.loads(Path(path).read_text(encoding="utf-8"))
+        self.ahead, self.shared = set(plan["ahead"]), set(plan["shared"])
+        self.order = {n: i for i, n in enumerate(plan["ahead"] + plan["shared"])}
+        self.claims, self.report = Path(plan["claims"]), Path(plan["report"])
+        self.mine: set[str] = set()
+        self.theirs: set[str] = set()
+
+
+_follow = _Follow(os.environ[PLAN_ENV]) if os.environ.get(PLAN_ENV) else None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """(Background process) exactly the plan's items, in its order."""
+    if _follow is None:
+        return
+    order = _follow.order
+    items[:] = sorted((it for it in items if it.nodeid in order), key=lambda it: order[it.nodeid])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """(Background process) run a shared file's items only once this process has claimed it."""
+    if _follow is None or item.nodeid in _follow.ahead:
+        return None
+    f = file_of(item.nodeid)
+    if f in _follow.mine:
+        return None
+    if f not in _follow.theirs and claim(_follow.claims, f):
+        _follow.mine.add(f)
+        return None
+    _follow.theirs.add(f)
+    return True                                   # the foreground runs it
+
+
 def pytest_runtest_logreport(report):
-    """(Plugin of the background process) one JSON line per test phase."""
-    path = os.environ.get(REPORT_ENV)
-    if not path:
+    """(Background process) one JSON line per test phase."""
+    if _follow is None:
         return
     text = ""
     if report.skipped and isinstance(report.longrepr, tuple):
         text = str(report.longrepr[2])                # the skip reason
     elif report.failed:
-        text = report.longreprtext[-6000:]
-    with open(path, "a", encoding="utf-8") as f:
+        text = report.longreprtext[-6000:] + "".join(
+            f"\n{'-' * 20} {name} {'-' * 20}\n{content[-4000:]}" for name, content in report.sections)
+    with open(_follow.report, "a", encoding="utf-8") as f:
         f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
                             "duration": report.duration, "text": text}) + "\n")
 
 
 # ------------------------------------------------------------------ the foreground's side
 class Ahead:
-    """The background pytest process over `nodeids`; `outcome(nodeid)` waits for one."""
+    """The background pytest process over the `ahead` node ids and the shared ones;
+    `theirs(nodeid)` says whether the foreground should report its outcome from there,
+    `phases(nodeid)` waits for it."""
 
-    def __init__(self, rootdir: Path, nodeids: list[str], workdir: Path):
-        self.nodeids, self.workdir, self._final = nodeids, workdir, None
+    def __init__(self, rootdir: Path, nodeids: list[str], workdir: Path, shared: list[str] = ()):
+        self.nodeids, self.shared, self.workdir, self._final = nodeids, list(shared), workdir, None
+        self._shared = set(self.shared)
         self.report = workdir / "outcomes.jsonl"
         self.log_path = workdir / "pytest.log"
+        self.claims = workdir / "claims"
+        self.claims.mkdir()
         self.report.touch()
-        env = {**os.environ, ENV: "0", REPORT_ENV: str(self.report)}
+        self.mine: set[str] = set()
+        self.their_files: set[str] = set()
+        self.waited = 0.0
+        self._read, self._seen = 0, {}
+        plan = workdir / "plan.json"
+        plan.write_text(json.dumps({"ahead": list(nodeids), "shared": self.shared,
+                                    "claims": str(self.claims), "report": str(self.report)}))
+        files = list(dict.fromkeys(file_of(n) for n in [*nodeids, *self.shared]))
+        env = {**os.environ, ENV: "0", PLAN_ENV: str(plan)}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.ahead",
-                 "-o", "addopts=", "--rootdir", str(rootdir), *nodeids],
+                 "-o", "addopts=", "--rootdir", str(rootdir), *files],
                 cwd=rootdir, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, preexec_fn=lambda: os.nice(NICE))
 
-    def _phases(self) -> dict[str, list[dict]]:
+    def theirs(self, nodeid: str) -> bool:
+        """The background runs `nodeid`: an `ahead` test, or one of a file it claimed (the
+        foreground claims each shared file it reaches first)."""
+        if nodeid in self.nodeids:
+            return True
+        if nodeid not in self._shared:
+            return False
+        f = file_of(nodeid)
+        if f not in self.mine and f not in self.their_files:
+            (self.mine if claim(self.claims, f) else self.their_files).add(f)
+        return f in self.their_files
+
+    def _records(self) -> dict[str, list[dict]]:
+        """Every phase the background run has reported so far, by node id (read on from where
+        the last call stopped; a line still being written waits for the next call)."""
         if self._final is not None:
             return self._final
-        out: dict[str, list[dict]] = {}
-        for line in self.report.read_text(encoding="utf-8").splitlines():
+        with open(self.report, "rb") as f:
+            f.seek(self._read)
+            data = f.read()
+        done = data.rfind(b"\n") + 1
+        self._read += done
+        for line in data[:done].decode("utf-8").splitlines():
             if line.strip():
                 rec = json.loads(line)
-                out.setdefault(rec["nodeid"], []).append(rec)
-        return out
+                self._seen.setdefault(rec["nodeid"], []).append(rec)
+        return self._seen
 
-    def outcome(self, nodeid: str, timeout: float = WAIT_S) -> tuple[str, str]:
-        """("passed" | "failed" | "skipped", text) of nodeid's background run, once its teardown
-        is reported; ("failed", why) if the process ended without it or `timeout` passed."""
-        deadline = time.monotonic() + timeout
+    def phases(self, nodeid: str, timeout: float = WAIT_S) -> list[dict]:
+        """The background run's reports of nodeid (setup, call, teardown: "when", "outcome",
+        "duration", "text"), once its teardown is reported; a failed call if the process ended
+        without it or `timeout` passed."""
+        start = time.monotonic()
+        deadline = start + timeout
         while True:
             ended = self.proc.poll() is not None      # before reading: then all it wrote is there
-            phases = self._phases().get(nodeid, [])
+            phases = self._records().get(nodeid, [])
             if any(p["when"] == "teardown" for p in phases):
-                for p in phases:
-                    if p["outcome"] == "failed":
-                        return "failed", f"{p['when']} failed in the background run:\n{p['text']}"
-                for p in phases:
-                    if p["outcome"] == "skipped":
-                        return "skipped", p["text"]
-                return "passed", ""
+                self.waited += time.monotonic() - start
+                return phases
             if ended:
-                return "failed", (f"the background run (exit {self.proc.returncode}) ended without "
-                                  f"running it:\n{self._log_tail()}")
-            if time.monotonic() > deadline:
-                return "failed", f"no outcome from the background run after {timeout:.0f} s"
-            time.sleep(0.5)
+                why = (f"the background run (exit {self.proc.returncode}) ended without running "
+                       f"it:\n{self._log_tail()}")
+            elif time.monotonic() > deadline:
+                why = f"no outcome from the background run after {timeout:.0f} s"
+            else:
+                time.sleep(0.2)
+                continue
+            return [{"when": "call", "outcome": "failed", "duration": 0.0, "text": why, "ours": True}]
+
+    def outcome(self, nodeid: str, timeout: float = WAIT_S) -> tuple[str, str]:
+        """("passed" | "failed" | "skipped", text) of nodeid's background run."""
+        phases = self.phases(nodeid, timeout)
+        for p in phases:
+            if p["outcome"] == "failed":
+                return "failed", failure_text(p)
+        for p in phases:
+            if p["outcome"] == "skipped":
+                return "skipped", p["text"]
+        return "passed", ""
 
     def _log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
 
     def durations(self) -> list[tuple[float, str]]:
-        return sorted(((sum(p["duration"] for p in ps), n) for n, ps in self._phases().items()),
+        return sorted(((sum(p["duration"] for p in ps), n) for n, ps in self._records().items()),
                       reverse=True)
+
+    def summary(self) -> list[str]:
+        """What ran there (seconds there) and how long the foreground waited for it."""
+        took = sorted(self.their_files)
+        spent = {}
+        for seconds, nodeid in self.durations():
+            key = nodeid if nodeid in self.nodeids else file_of(nodeid)
+            spent[key] = spent.get(key, 0.0) + seconds
+        lines = [f"{seconds:8.2f}s {key}" for key, seconds in
+                 sorted(spent.items(), key=lambda kv: -kv[1])]
+        return lines + [f"{len(self.nodeids)} ahead tests and {len(took)} of "
+                        f"{len(self.mine) + len(took)} shared files ran there; the foreground "
+                        f"waited {self.waited:.1f} s for their outcomes"]
 
     def stop(self) -> None:
         """End the background run (if still running) and remove its files; the outcomes read so
         far are kept for the summary."""
         self._stop_process()
-        self._final = self._phases()
+        self._final = dict(self._records())
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _stop_process(self) -> None:
@@ -139,10 +274,25 @@ class Ahead:
                 self.proc.wait()
 
 
+def failure_text(phase: dict) -> str:
+    if phase.get("ours"):                         # the foreground's own: the run never reported it
+        return phase["text"]
+    return f"{phase['when']} failed in the background run:\n{phase['text']}"
+
+
 def replay(ahead: Ahead, item) -> None:
-    """Report the background run's outcome of `item` as this run's."""
-    outcome, text = ahead.outcome(item.nodeid)
-    if outcome == "failed":
-        pytest.fail(text, pytrace=False)
-    if outcome == "skipped":
-        pytest.skip(text)
+    """Report the background run's outcome of `item` as this run's, phase by phase, through the
+    same hooks a test run here reports through (terminal, durations, junitxml)."""
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    keywords = {k: 1 for k in item.keywords}
+    for p in ahead.phases(item.nodeid):
+        if p["outcome"] == "skipped":
+            longrepr = (str(item.path), (item.location[1] or 0) + 1, p["text"])
+        elif p["outcome"] == "failed":
+            longrepr = failure_text(p)
+        else:
+            longrepr = None
+        item.ihook.pytest_runtest_logreport(report=TestReport(
+            item.nodeid, item.location, keywords, p["outcome"], longrepr, p["when"],
+            duration=p["duration"]))
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)

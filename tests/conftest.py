@@ -29,35 +29,41 @@ os.environ.setdefault("CEDLM_TRAIN_COMPILE", "off")
 # the caller set is kept. tests/test_compiled_step.py::test_compile_opt_level_knob checks the knob.
 os.environ.setdefault("CEDLM_COMPILE_OPT", "O1")
 
-_ahead = None       # tests/ahead.py: the `ahead` tests' background run
+_ahead = None       # tests/ahead.py: the background run on the second core
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    """The `ahead` tests run in a background process on the second core while the rest runs
-    (tests/ahead.py); here they come last and report that run's outcomes."""
+    """A background process on the second core runs the `ahead` tests and shares the test files
+    with this one (tests/ahead.py); here the `ahead` tests come last, and they and the shared
+    files' tests that the background claims report that run's outcomes."""
     global _ahead
     from tests import ahead
+    if not ahead.wanted(config):
+        return
     ids = ahead.ahead_last(items)
-    if ids and len(ids) < len(items) and _ahead is None and ahead.wanted(config):
+    shared = ahead.shareable(items)
+    several_files = len({ahead.file_of(it.nodeid) for it in items}) > 1
+    if (ids or shared) and len(ids) < len(items) and several_files and _ahead is None:
         import tempfile
-        _ahead = ahead.Ahead(Path(config.rootpath), ids, Path(tempfile.mkdtemp(prefix="cedlm-ahead-")))
+        _ahead = ahead.Ahead(Path(config.rootpath), ids, Path(tempfile.mkdtemp(prefix="cedlm-ahead-")),
+                             shared)
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem):
-    if _ahead is not None and pyfuncitem.nodeid in _ahead.nodeids:
+def pytest_runtest_protocol(item, nextitem):
+    if _ahead is not None and _ahead.theirs(item.nodeid):
         from tests import ahead
-        ahead.replay(_ahead, pyfuncitem)
+        ahead.replay(_ahead, item)
         return True
     return None
 
 
 def pytest_terminal_summary(terminalreporter):
     if _ahead is not None:
-        terminalreporter.write_sep("=", "run in the background (tests/ahead.py), seconds there")
-        for seconds, nodeid in _ahead.durations():
-            terminalreporter.write_line(f"{seconds:8.2f}s {nodeid}")
+        terminalreporter.write_sep("=", "the background process (tests/ahead.py)")
+        for line in _ahead.summary():
+            terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,7 +1,10 @@
-"""The background run of the `ahead` tests (tests/ahead.py): each test's outcome there, passed,
-skipped or failed, is what the foreground reports; a test the background run never ran fails."""
+"""The background pytest process (tests/ahead.py): each test's outcome there, passed, skipped or
+failed, is what the foreground reports; a test the background run never ran fails; a shared
+file runs whole in whichever process claims it first; files marked `foreground` stay there."""
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +14,14 @@ import pytest
 from tests import ahead
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+class Item:
+    def __init__(self, nodeid, *marks):
+        self.nodeid, self.marks = nodeid, marks
+
+    def get_closest_marker(self, name):
+        return object() if name in self.marks else None
 
 
 def test_outcomes_of_the_background_run_are_reported(tmp_path):
@@ -23,6 +34,7 @@ def test_outcomes_of_the_background_run_are_reported(tmp_path):
         outcome, why = run.outcome(skips, timeout=300)
         assert outcome == "skipped" and "cuda" in why.lower(), why
         assert {n for _, n in run.durations()} == {passes, skips}
+        assert [p["when"] for p in run.phases(passes)] == ["setup", "call", "teardown"]
     finally:
         run.stop()
     assert not (tmp_path / "a").exists()                        # its files removed
@@ -34,7 +46,8 @@ def test_a_test_the_background_run_never_ran_fails(tmp_path):
     collect it): the foreground fails it, with the background's output."""
     missing = "tests/test_portability.py::test_there_is_no_such_test"
     run = object.__new__(ahead.Ahead)                 # the state of one whose process has ended
-    run.nodeids, run.workdir, run._final = [missing], tmp_path, None
+    run.nodeids, run.workdir, run._final, run.waited = [missing], tmp_path, None, 0.0
+    run._read, run._seen = 0, {}
     run.report, run.log_path = tmp_path / "outcomes.jsonl", tmp_path / "pytest.log"
     run.report.touch()
     run.log_path.write_text("ERROR: not found: " + missing)
@@ -43,19 +56,43 @@ def test_a_test_the_background_run_never_ran_fails(tmp_path):
     outcome, why = run.outcome(missing, timeout=60)
     assert outcome == "failed" and "(exit 4) ended without running it" in why and "not found" in why, why
 
-    class Item:
-        nodeid = missing
-    with pytest.raises(pytest.fail.Exception, match="ended without running it"):
-        ahead.replay(run, Item())
-
 
 def test_ahead_tests_come_last_in_their_order():
-    class Item:
-        def __init__(self, name, marked):
-            self.nodeid, self.marked = name, marked
-
-        def get_closest_marker(self, name):
-            return object() if self.marked and name == "ahead" else None
-    items = [Item("a", True), Item("b", False), Item("c", True), Item("d", False)]
+    items = [Item("a", "ahead"), Item("b"), Item("c", "ahead"), Item("d")]
     assert ahead.ahead_last(items) == ["a", "c"]
     assert [i.nodeid for i in items] == ["b", "d", "a", "c"]
+
+
+def test_shared_files_last_first_without_foreground_files_or_ahead_tests():
+    items = [Item("t/x.py::a"), Item("t/x.py::b"), Item("t/y.py::a", "foreground"), Item("t/y.py::b"),
+             Item("t/z.py::a"), Item("t/z.py::b", "ahead")]
+    assert ahead.shareable(items) == ["t/z.py::a", "t/x.py::a", "t/x.py::b"]
+
+
+def test_a_file_is_claimed_once(tmp_path):
+    assert ahead.claim(tmp_path, "tests/test_x.py")
+    assert not ahead.claim(tmp_path, "tests/test_x.py")
+    assert ahead.claim(tmp_path, "tests/test_y.py")
+    assert ahead.claim_path(tmp_path, "tests/test_x.py").exists()
+
+
+def test_a_run_shares_its_files_with_the_background_process():
+    """Three files; the first holds the foreground until the background has claimed the last:
+    every outcome (a failure with its captured output, a skip with its reason) reported once,
+    by the foreground, whichever process ran it."""
+    files = [f"tests/fixtures/ahead/case_{n}.py" for n in ("first", "middle", "last")]
+    env = {k: v for k, v in os.environ.items() if k != ahead.PLAN_ENV}
+    env[ahead.ENV] = "1"
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=",
+                             "-rfs", *files], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 1, out
+    assert re.search(r"1 failed, 3 passed, 1 skipped", out), out
+    assert "call failed in the background run" in out and "assert (1 + 1) == 3" in out, out
+    pid = re.search(r"captured in process (\d+)", out)
+    assert pid and int(pid.group(1)) != proc.pid, out          # it ran in the other process
+    assert "a reason in the middle" in out, out
+    m = re.search(r"0 ahead tests and ([0-9]+) of 3 shared files ran there", out)
+    assert m and 1 <= int(m.group(1)) <= 2, out
+    assert out.count("test_last_fails") <= 3, out      # reported once (its line in the summary)

@@ -11,6 +11,8 @@ import pytest
 from cedlm.server.compile_queue import ClientGone, CompileBusy, CompileQueue
 from cedlm.server.grammar_compile import GrammarError
 
+pytestmark = pytest.mark.foreground    # times wall-clock latencies: see tests/ahead.py
+
 
 class FakeCompiler:
     """Compiles `value` to "g:<value>" after the gate opens; "bad" is rejected, "slow" times out."""

@@ -20,6 +20,8 @@ from test_server import MODEL, engine_idle, make_app, serve  # noqa: E402
 
 from cedlm.server import grammar_limits  # noqa: E402
 
+pytestmark = pytest.mark.foreground    # times wall-clock latencies: see tests/ahead.py
+
 BYSTANDER = {"model": MODEL, "prompt": "The bystander says", "max_tokens": 48, "temperature": 0,
              "ignore_eos": True, "stream": True}
 

@@ -16,6 +16,8 @@ from cedlm.server.body_guard import BodyGuard
 from cedlm.server.http_protocol import BUFFERED_BODY_BYTES, buffered, http_protocol, resolve_http
 from cedlm.server.tracing import RequestIdMiddleware
 
+pytestmark = pytest.mark.foreground    # times wall-clock latencies: see tests/ahead.py
+
 PARSERS = ["httptools", "h11"]
 
 

@@ -18,6 +18,8 @@ import pytest
 from cedlm.server import remote_images
 from cedlm.server.remote_images import FetchError, fetch, public_address
 
+pytestmark = pytest.mark.foreground    # times wall-clock latencies: see tests/ahead.py
+
 PNG_SIZE = (32, 32)
 
 

@@ -16,6 +16,8 @@ import pytest
 from cedlm.cli import COMMANDS, main
 from tests.conftest import _free_port, stop_process
 
+pytestmark = pytest.mark.foreground    # times wall-clock latencies: see tests/ahead.py
+
 
 def _cli(*args: str, env=None, timeout=60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cedlm.cli", *args], capture_output=True, text=True,

@@ -25,6 +25,8 @@ from cedlm.server.protocol import MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS  
 from cedlm.text.chat import IMAGE_TOKEN, encode_chat, encode_chat_ids  # noqa: E402
 from cedlm.text.tokenizer import SPECIAL_TOKENS, load_tokenizer  # noqa: E402
 
+pytestmark = pytest.mark.foreground    # times wall-clock latencies: see tests/ahead.py
+
 POISON = 424242                     # the seed that makes the sampler raise (fault injection)
 SECRET = "redis://10.1.2.3:6379 secret-internal-detail"
 

@@ -33,6 +33,8 @@ from cedlm import LLM, SamplingParams
 from cedlm.cache.store import DirStore, Record, StoreGuard, open_store
 from conftest import _free_port, _ping            # the redis fixture's own helpers
 
+pytestmark = pytest.mark.foreground    # times wall-clock latencies: see tests/ahead.py
+
 # Measurements go to $CEDLM_TEST_RESULTS/store_faults.json when that is set (never into tests/).
 RESULTS = Path(os.environ["CEDLM_TEST_RESULTS"]) if os.environ.get("CEDLM_TEST_RESULTS") else None
 BT = 8                                   # block tokens

@@ -24,6 +24,8 @@ import torch  # noqa: E402
 
 from tests.test_server import client, serve  # noqa: E402
 
+pytestmark = pytest.mark.foreground    # times wall-clock latencies: see tests/ahead.py
+
 MODEL = "cedlm-vision"
 TRAINED = os.environ.get("CEDLM_VISION_MODEL")
 
