@@ -8,12 +8,14 @@ background pytest process at collection, at nice 10, that runs
    graph, the kernels built from an installed wheel, the numerics files re-run under other
    instruction sets), which the foreground would otherwise wait for;
 2. then the selected test files it may share, from the last file to the first, while the
-   foreground runs them from the first. A file runs whole in one process: whichever process
-   starts it first claims it (an exclusive create in the run's claims folder) and the other
-   passes it by. Files marked `foreground` (their tests time wall-clock gaps and latencies,
-   which the foreground, at normal priority, measures faithfully) are never shared.
+   foreground runs them from the first. A file runs whole in one process, and so do files that
+   use one session-scoped conftest fixture (set up once per process: `bench_quick` is a minute
+   of benchmarks): a unit. Whichever process reaches a unit first claims it (an exclusive create
+   in the run's claims folder) and the other passes it by. A unit with a file marked
+   `foreground` (its tests time wall-clock gaps and latencies, which the foreground, at normal
+   priority, measures faithfully) is never shared.
 
-The foreground moves the `ahead` tests to its end. For each `ahead` test and each test of a file
+The foreground moves the `ahead` tests to its end. For each `ahead` test and each test of a unit
 the background claimed, it waits for that test's outcome there and reports it as its own,
 phase by phase, without running the test or its fixtures: passed, failed with the background
 run's failure text and captured output, or skipped with its reason. A test runs once either way
@@ -63,30 +65,76 @@ def ahead_last(items: list) -> list[str]:
     return [it.nodeid for it in marked]
 
 
-def shareable(items: list) -> list[str]:
-    """Node ids of the items the background may take: every item that is not `ahead`, of a file
-    none of whose selected items is marked `foreground`; files from the last to the first,
-    each file's items in order."""
-    stay = {file_of(it.nodeid) for it in items if it.get_closest_marker(STAY)}
-    files: dict[str, list[str]] = {}
+def _session_fixtures(item) -> set[str]:
+    """The session-scoped fixtures of a conftest that `item` uses (set up once per process)."""
+    info = getattr(item, "_fixtureinfo", None)
+    out = set()
+    for name, defs in (info.name2fixturedefs.items() if info is not None else ()):
+        func = getattr(defs[-1], "func", None)
+        code = getattr(func, "__code__", None)
+        if defs[-1].scope == "session" and code is not None and code.co_filename.endswith("conftest.py"):
+            out.add(name)
+    return out
+
+
+def shareable(items: list) -> dict[str, str]:
+    """The items the background may take, in the order it tries them, each with its unit (what
+    is claimed as a whole): a file, or the files that use one session-scoped conftest fixture
+    (set up once per process, so they run in one), named by its first file. Never `ahead`
+    items, nor a unit one of whose selected items is marked `foreground`. Units from the last to
+    the first (by their last file), each unit's files in order."""
+    files: dict[str, list] = {}
     for it in items:
-        f = file_of(it.nodeid)
-        if f not in stay and not it.get_closest_marker(MARK):
-            files.setdefault(f, []).append(it.nodeid)
-    return [n for f in reversed(list(files)) for n in files[f]]
+        files.setdefault(file_of(it.nodeid), []).append(it)
+    parent = {f: f for f in files}
+
+    def root(f):
+        while parent[f] != f:
+            f = parent[f]
+        return f
+    by_fixture: dict[str, str] = {}
+    for f, its in files.items():
+        for name in set().union(*(_session_fixtures(it) for it in its)):
+            if name in by_fixture:
+                a, b = sorted((root(by_fixture[name]), root(f)), key=list(files).index)
+                parent[b] = a
+            else:
+                by_fixture[name] = f
+    units: dict[str, list[str]] = {}
+    for f in files:
+        units.setdefault(root(f), []).append(f)
+    stay = {root(file_of(it.nodeid)) for it in items if it.get_closest_marker(STAY)}
+    out: dict[str, str] = {}
+    for unit in sorted((u for u in units if u not in stay), key=lambda u: -list(files).index(units[u][-1])):
+        for f in units[unit]:
+            out.update((it.nodeid, unit) for it in files[f] if not it.get_closest_marker(MARK))
+    return out
 
 
-def claim_path(folder: Path, file: str) -> Path:
-    return folder / file.replace("/", "__").replace(os.sep, "__")
+def claim_path(folder: Path, unit: str) -> Path:
+    return folder / unit.replace("/", "__").replace(os.sep, "__")
 
 
-def claim(folder: Path, file: str) -> bool:
-    """Claim `file` for this process: True for the first caller of either process, once."""
+def claim(folder: Path, unit: str) -> bool:
+    """Claim `unit` for this process: True for the first caller of either process, once."""
     try:
-        os.close(os.open(claim_path(folder, file), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        os.close(os.open(claim_path(folder, unit), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         return True
     except FileExistsError:
         return False
+
+
+class Claims:
+    """One process's side of the claims folder: `ours(unit)` claims a unit the first time this
+    process asks and then answers the same."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.mine, self.theirs = folder, set(), set()
+
+    def ours(self, unit: str) -> bool:
+        if unit not in self.mine and unit not in self.theirs:
+            (self.mine if claim(self.folder, unit) else self.theirs).add(unit)
+        return unit in self.mine
 
 
 # ------------------------------------------------------------------ the background process's side
@@ -95,11 +143,9 @@ class _Follow:
 
     def __init__(self, path: str):
         plan = json.loads(Path(path).read_text(encoding="utf-8"))
-        self.ahead, self.shared = set(plan["ahead"]), set(plan["shared"])
-        self.order = {n: i for i, n in enumerate(plan["ahead"] + plan["shared"])}
-        self.claims, self.report = Path(plan["claims"]), Path(plan["report"])
-        self.mine: set[str] = set()
-        self.theirs: set[str] = set()
+        self.ahead, self.shared = set(plan["ahead"]), dict(plan["shared"])
+        self.order = {n: i for i, n in enumerate([*plan["ahead"], *self.shared])}
+        self.claims, self.report = Claims(Path(plan["claims"])), Path(plan["report"])
 
 
 _follow = _Follow(os.environ[PLAN_ENV]) if os.environ.get(PLAN_ENV) else None
@@ -116,16 +162,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-    """(Background process) run a shared file's items only once this process has claimed it."""
-    if _follow is None or item.nodeid in _follow.ahead:
+    """(Background process) run a shared unit's items only once this process has claimed it."""
+    if _follow is None or item.nodeid in _follow.ahead or _follow.claims.ours(_follow.shared[item.nodeid]):
         return None
-    f = file_of(item.nodeid)
-    if f in _follow.mine:
-        return None
-    if f not in _follow.theirs and claim(_follow.claims, f):
-        _follow.mine.add(f)
-        return None
-    _follow.theirs.add(f)
     return True                                   # the foreground runs it
 
 
@@ -150,21 +189,19 @@ class Ahead:
     `theirs(nodeid)` says whether the foreground should report its outcome from there,
     `phases(nodeid)` waits for it."""
 
-    def __init__(self, rootdir: Path, nodeids: list[str], workdir: Path, shared: list[str] = ()):
-        self.nodeids, self.shared, self.workdir, self._final = nodeids, list(shared), workdir, None
-        self._shared = set(self.shared)
+    def __init__(self, rootdir: Path, nodeids: list[str], workdir: Path,
+                 shared: dict[str, str] | None = None):
+        self.nodeids, self.shared, self.workdir, self._final = nodeids, dict(shared or {}), workdir, None
         self.report = workdir / "outcomes.jsonl"
         self.log_path = workdir / "pytest.log"
-        self.claims = workdir / "claims"
-        self.claims.mkdir()
+        (workdir / "claims").mkdir()
+        self.claims = Claims(workdir / "claims")
         self.report.touch()
-        self.mine: set[str] = set()
-        self.their_files: set[str] = set()
         self.waited = 0.0
         self._read, self._seen = 0, {}
         plan = workdir / "plan.json"
-        plan.write_text(json.dumps({"ahead": list(nodeids), "shared": self.shared,
-                                    "claims": str(self.claims), "report": str(self.report)}))
+        plan.write_text(json.dumps({"ahead": list(nodeids), "shared": list(self.shared.items()),
+                                    "claims": str(self.claims.folder), "report": str(self.report)}))
         files = list(dict.fromkeys(file_of(n) for n in [*nodeids, *self.shared]))
         env = {**os.environ, ENV: "0", PLAN_ENV: str(plan)}
         with open(self.log_path, "wb") as log:
@@ -175,16 +212,12 @@ class Ahead:
                 start_new_session=True, preexec_fn=lambda: os.nice(NICE))
 
     def theirs(self, nodeid: str) -> bool:
-        """The background runs `nodeid`: an `ahead` test, or one of a file it claimed (the
-        foreground claims each shared file it reaches first)."""
+        """The background runs `nodeid`: an `ahead` test, or one of a unit it claimed (the
+        foreground claims each shared unit it reaches first)."""
         if nodeid in self.nodeids:
             return True
-        if nodeid not in self._shared:
-            return False
-        f = file_of(nodeid)
-        if f not in self.mine and f not in self.their_files:
-            (self.mine if claim(self.claims, f) else self.their_files).add(f)
-        return f in self.their_files
+        unit = self.shared.get(nodeid)
+        return unit is not None and not self.claims.ours(unit)
 
     def _records(self) -> dict[str, list[dict]]:
         """Every phase the background run has reported so far, by node id (read on from where
@@ -244,7 +277,7 @@ class Ahead:
 
     def summary(self) -> list[str]:
         """What ran there (seconds there) and how long the foreground waited for it."""
-        took = sorted(self.their_files)
+        took = self.claims.theirs
         spent = {}
         for seconds, nodeid in self.durations():
             key = nodeid if nodeid in self.nodeids else file_of(nodeid)
@@ -252,7 +285,7 @@ class Ahead:
         lines = [f"{seconds:8.2f}s {key}" for key, seconds in
                  sorted(spent.items(), key=lambda kv: -kv[1])]
         return lines + [f"{len(self.nodeids)} ahead tests and {len(took)} of "
-                        f"{len(self.mine) + len(took)} shared files ran there; the foreground "
+                        f"{len(self.claims.mine) + len(took)} shared units ran there; the foreground "
                         f"waited {self.waited:.1f} s for their outcomes"]
 
     def stop(self) -> None:

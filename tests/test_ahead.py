@@ -62,17 +62,40 @@ def test_ahead_tests_come_last_in_their_order():
     assert [i.nodeid for i in items] == ["b", "d", "a", "c"]
 
 
-def test_shared_files_last_first_without_foreground_files_or_ahead_tests():
+def test_shared_units_last_first_without_foreground_units_or_ahead_tests():
     items = [Item("t/x.py::a"), Item("t/x.py::b"), Item("t/y.py::a", "foreground"), Item("t/y.py::b"),
              Item("t/z.py::a"), Item("t/z.py::b", "ahead")]
-    assert ahead.shareable(items) == ["t/z.py::a", "t/x.py::a", "t/x.py::b"]
+    assert ahead.shareable(items) == {"t/z.py::a": "t/z.py", "t/x.py::a": "t/x.py", "t/x.py::b": "t/x.py"}
 
 
-def test_a_file_is_claimed_once(tmp_path):
+def test_files_that_share_a_session_fixture_are_one_unit(request):
+    """bench_quick (conftest, session scope) is set up once per process: the files using it are
+    claimed together, tried where the last of them stands, each file's items in order; a unit
+    with a foreground file stays in the foreground."""
+    session = request.session
+
+    def item(nodeid, *marks, uses=()):
+        it = Item(nodeid, *marks)
+        it._fixtureinfo = request.node._fixtureinfo.__class__(
+            argnames=tuple(uses), initialnames=tuple(uses), names_closure=list(uses),
+            name2fixturedefs={n: session._fixturemanager.getfixturedefs(n, request.node) for n in uses})
+        return it
+    items = [item("t/a.py::x", uses=["bench_quick"]), item("t/b.py::x"), item("t/c.py::x", uses=["bench_quick"]),
+             item("t/d.py::x", uses=["tmp_path_factory"]), item("t/e.py::x", uses=["tmp_path_factory"])]
+    assert list(ahead.shareable(items).items()) == [
+        ("t/e.py::x", "t/e.py"), ("t/d.py::x", "t/d.py"),         # a plugin's session fixture: no unit
+        ("t/a.py::x", "t/a.py"), ("t/c.py::x", "t/a.py"), ("t/b.py::x", "t/b.py")]
+    items[1] = item("t/b.py::x", "foreground", uses=["bench_quick"])
+    assert list(ahead.shareable(items)) == ["t/e.py::x", "t/d.py::x"]
+
+
+def test_a_unit_is_claimed_once(tmp_path):
     assert ahead.claim(tmp_path, "tests/test_x.py")
     assert not ahead.claim(tmp_path, "tests/test_x.py")
-    assert ahead.claim(tmp_path, "tests/test_y.py")
     assert ahead.claim_path(tmp_path, "tests/test_x.py").exists()
+    mine, theirs = ahead.Claims(tmp_path), ahead.Claims(tmp_path)
+    assert mine.ours("tests/test_y.py") and not theirs.ours("tests/test_y.py")
+    assert mine.ours("tests/test_y.py") and not theirs.ours("tests/test_y.py")   # the same answer again
 
 
 def test_a_run_shares_its_files_with_the_background_process():
@@ -92,6 +115,6 @@ def test_a_run_shares_its_files_with_the_background_process():
     pid = re.search(r"captured in process (\d+)", out)
     assert pid and int(pid.group(1)) != proc.pid, out          # it ran in the other process
     assert "a reason in the middle" in out, out
-    m = re.search(r"0 ahead tests and ([0-9]+) of 3 shared files ran there", out)
+    m = re.search(r"0 ahead tests and ([0-9]+) of 3 shared units ran there", out)
     assert m and 1 <= int(m.group(1)) <= 2, out
     assert out.count("test_last_fails") <= 3, out      # reported once (its line in the summary)
