@@ -44,6 +44,10 @@ else
   "${PIP[@]}" --no-deps -r requirements.lock
   "${PIP[@]}" --no-deps -e .
 fi
+# cedlm's bytecode, as pip writes it for every package it installs (an editable install does not):
+# without it each `python -m cedlm ...` process compiles the sources it imports again, wherever
+# PYTHONDONTWRITEBYTECODE is set
+.venv/bin/python -m compileall -q cedlm >/dev/null
 # Compiled kernels (cedlm/kernels/csrc, 1-2 minutes) into the per-user cache ~/.cache/cedlm/kernels
 # (CEDLM_KERNEL_DIR overrides it): optional. Without them cedlm logs one line and runs the torch
 # paths (bit-identical codecs). Needs g++ and ninja (pip's ninja if absent).

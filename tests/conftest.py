@@ -41,6 +41,7 @@ def pytest_collection_modifyitems(session, config, items):
     from tests import ahead
     if not ahead.wanted(config):
         return
+    os.environ[ahead.ENV] = "0"         # a pytest a test starts (gpu_check.sh's phases) runs alone
     ids = ahead.ahead_last(items)
     shared = ahead.shareable(items)
     several_files = len({ahead.file_of(it.nodeid) for it in items}) > 1
