@@ -47,7 +47,7 @@ fi
 # cedlm's bytecode, as pip writes it for every package it installs (an editable install does not):
 # without it each `python -m cedlm ...` process compiles the sources it imports again, wherever
 # PYTHONDONTWRITEBYTECODE is set
-.venv/bin/python -m compileall -q cedlm >/dev/null
+.venv/bin/python -m compileall -q cedlm >/dev/null || echo "setup.sh: cedlm's bytecode not written" >&2
 # Compiled kernels (cedlm/kernels/csrc, 1-2 minutes) into the per-user cache ~/.cache/cedlm/kernels
 # (CEDLM_KERNEL_DIR overrides it): optional. Without them cedlm logs one line and runs the torch
 # paths (bit-identical codecs). Needs g++ and ninja (pip's ninja if absent).
