@@ -149,6 +149,25 @@ def describe_device(dev) -> str:
     return f"cpu ({torch.get_num_threads()} torch threads)"
 
 
+# A serving process runs a full collection at most once per this many collections of the middle
+# generation (the interpreter's default is 10).
+SERVE_FULL_COLLECTION_EVERY = 100
+
+
+def collect_fully_less_often(every: int = SERVE_FULL_COLLECTION_EVERY) -> None:
+    """Make the garbage collector's full passes rarer in a serving process. An open connection's
+    objects outlive the young collections and land in the oldest generation; with thousands of
+    connections opening and closing, the interpreter's rule (a full pass once 25 % more objects
+    have reached it, and at least every 10 middle collections) ran one every few seconds, each
+    walking every open connection's objects while holding the GIL (about 0.2 s at 16,000
+    connections) and stalling `/health` and every stream (RELIABILITY.md, slow bodies). Closed
+    connections are freed by reference counting, so little waits for a full pass; the young
+    collections are unchanged."""
+    import gc
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, every)
+
+
 def freeze_heap(collect: bool = True) -> None:
     """Move every object alive now out of the garbage collector's reach (`gc.freeze`), after
     collecting what is garbage already (`collect`): the model, its modules and the imported

@@ -81,12 +81,21 @@ def test_bad_port_is_one_line(capsys):
 
 
 def test_busy_port_is_one_line_before_loading(capsys):
+    import gc
+
+    from cedlm.util import SERVE_FULL_COLLECTION_EVERY
+    before = gc.get_threshold()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
         t0 = time.monotonic()
-        rc = main(["serve", "--model", "tiny", "--port", str(port)])
+        try:
+            rc = main(["serve", "--model", "tiny", "--port", str(port)])
+            # a serving process's full collections are rarer (cedlm.util.collect_fully_less_often)
+            assert gc.get_threshold() == (*before[:2], SERVE_FULL_COLLECTION_EVERY)
+        finally:
+            gc.set_threshold(*before)
         took = time.monotonic() - t0
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err

@@ -234,6 +234,8 @@ def run(args) -> int:
             resolve_device(args.device, "device")
         except ValueError as e:
             return fail(str(e))
+    from cedlm.util import collect_fully_less_often
+    collect_fully_less_often()
     try:
         sock = bind(args.host, args.port)        # before any work: a busy port is one line
     except BindError as e:
