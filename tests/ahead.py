@@ -146,6 +146,7 @@ class _Follow:
         self.ahead, self.shared = set(plan["ahead"]), dict(plan["shared"])
         self.order = {n: i for i, n in enumerate([*plan["ahead"], *self.shared])}
         self.claims, self.report = Claims(Path(plan["claims"])), Path(plan["report"])
+        self.config = None
 
 
 _follow = _Follow(os.environ[PLAN_ENV]) if os.environ.get(PLAN_ENV) else None
@@ -168,8 +169,14 @@ def pytest_runtest_protocol(item, nextitem):
     return True                                   # the foreground runs it
 
 
+def pytest_configure(config):
+    if _follow is not None:
+        _follow.config = config
+
+
 def pytest_runtest_logreport(report):
-    """(Background process) one JSON line per test phase."""
+    """(Background process) one JSON line per report (a phase, or a subtest's): the report as
+    pytest serializes it for another process (as pytest-xdist sends them), and its outcome."""
     if _follow is None:
         return
     text = ""
@@ -180,7 +187,9 @@ def pytest_runtest_logreport(report):
             f"\n{'-' * 20} {name} {'-' * 20}\n{content[-4000:]}" for name, content in report.sections)
     with open(_follow.report, "a", encoding="utf-8") as f:
         f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
-                            "duration": report.duration, "text": text}) + "\n")
+                            "duration": report.duration, "text": text,
+                            "report": _follow.config.hook.pytest_report_to_serializable(
+                                config=_follow.config, report=report)}, default=str) + "\n")
 
 
 # ------------------------------------------------------------------ the foreground's side
@@ -314,18 +323,18 @@ def failure_text(phase: dict) -> str:
 
 
 def replay(ahead: Ahead, item) -> None:
-    """Report the background run's outcome of `item` as this run's, phase by phase, through the
+    """Report the background run's outcome of `item` as this run's, report by report, through the
     same hooks a test run here reports through (terminal, durations, junitxml)."""
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-    keywords = {k: 1 for k in item.keywords}
     for p in ahead.phases(item.nodeid):
-        if p["outcome"] == "skipped":
-            longrepr = (str(item.path), (item.location[1] or 0) + 1, p["text"])
-        elif p["outcome"] == "failed":
-            longrepr = failure_text(p)
-        else:
-            longrepr = None
-        item.ihook.pytest_runtest_logreport(report=TestReport(
-            item.nodeid, item.location, keywords, p["outcome"], longrepr, p["when"],
-            duration=p["duration"]))
+        rep = None
+        if "report" in p:
+            rep = item.config.hook.pytest_report_from_serializable(config=item.config, data=p["report"])
+        if rep is None:
+            longrepr = failure_text(p) if p["outcome"] == "failed" else None
+            rep = TestReport(item.nodeid, item.location, {k: 1 for k in item.keywords}, p["outcome"],
+                             longrepr, p["when"], duration=p["duration"])
+        elif rep.failed:
+            rep.sections.append(("where", "in the background process (tests/ahead.py)"))
+        item.ihook.pytest_runtest_logreport(report=rep)
     item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)

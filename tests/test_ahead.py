@@ -111,7 +111,7 @@ def test_a_run_shares_its_files_with_the_background_process():
     out = proc.communicate(timeout=600)[0]
     assert proc.returncode == 1, out
     assert re.search(r"1 failed, 3 passed, 1 skipped", out), out
-    assert "call failed in the background run" in out and "assert (1 + 1) == 3" in out, out
+    assert "in the background process (tests/ahead.py)" in out and "assert (1 + 1) == 3" in out, out
     pid = re.search(r"captured in process (\d+)", out)
     assert pid and int(pid.group(1)) != proc.pid, out          # it ran in the other process
     assert "a reason in the middle" in out, out
