@@ -345,5 +345,7 @@ def replay(ahead: Ahead, item) -> None:
                              longrepr, p["when"], duration=p["duration"])
         elif rep.failed:
             rep.sections.append(("where", "in the background process (tests/ahead.py)"))
+        elif rep.skipped and isinstance(rep.longrepr, list):
+            rep.longrepr = tuple(rep.longrepr)    # (path, line, reason): JSON made it a list
         item.ihook.pytest_runtest_logreport(report=rep)
     item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
