@@ -8,7 +8,7 @@ background pytest process at collection, at nice 10, that runs
    graph, the kernels built from an installed wheel, the numerics files re-run under other
    instruction sets), which the foreground would otherwise wait for;
 2. then the selected test files it may share, from the last file to the first, while the
-   foreground, having run first the files only it may run, runs them from the first. A file runs whole in one process, and so do files that
+   foreground runs them from the first. A file runs whole in one process, and so do files that
    use one session-scoped conftest fixture (set up once per process: `bench_quick` is a minute
    of benchmarks): a unit. Whichever process reaches a unit first claims it (an exclusive create
    in the run's claims folder) and the other passes it by. A unit with a file marked
@@ -109,15 +109,6 @@ def shareable(items: list) -> dict[str, str]:
         for f in units[unit]:
             out.update((it.nodeid, unit) for it in files[f] if not it.get_closest_marker(MARK))
     return out
-
-
-def foreground_first(items: list, shared: dict[str, str]) -> None:
-    """Order the foreground's items (in place): first those only it runs (of `foreground` units),
-    then the shared ones, then the `ahead` ones, each in its order. The foreground does its own
-    work while the background takes shared units from the end; they meet where both are done."""
-    own = [it for it in items if it.nodeid not in shared and not it.get_closest_marker(MARK)]
-    items[:] = own + [it for it in items if it.nodeid in shared] + \
-        [it for it in items if it.get_closest_marker(MARK)]
 
 
 def claim_path(folder: Path, unit: str) -> Path:

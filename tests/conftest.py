@@ -49,7 +49,6 @@ def pytest_collection_modifyitems(session, config, items):
         import tempfile
         _ahead = ahead.Ahead(Path(config.rootpath), ids, Path(tempfile.mkdtemp(prefix="cedlm-ahead-")),
                              shared)
-        ahead.foreground_first(items, shared)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -68,14 +68,6 @@ def test_shared_units_last_first_without_foreground_units_or_ahead_tests():
     assert ahead.shareable(items) == {"t/z.py::a": "t/z.py", "t/x.py::a": "t/x.py", "t/x.py::b": "t/x.py"}
 
 
-def test_the_foreground_runs_its_own_files_first():
-    items = [Item("t/x.py::a"), Item("t/y.py::a", "foreground"), Item("t/z.py::a", "ahead"),
-             Item("t/z.py::b"), Item("t/y.py::b")]
-    shared = ahead.shareable(items)
-    ahead.foreground_first(items, shared)
-    assert [i.nodeid for i in items] == ["t/y.py::a", "t/y.py::b", "t/x.py::a", "t/z.py::b", "t/z.py::a"]
-
-
 def test_files_that_share_a_session_fixture_are_one_unit(request):
     """bench_quick (conftest, session scope) is set up once per process: the files using it are
     claimed together, tried where the last of them stands, each file's items in order; a unit
