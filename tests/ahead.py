@@ -86,6 +86,7 @@ def shareable(items: list) -> dict[str, str]:
     files: dict[str, list] = {}
     for it in items:
         files.setdefault(file_of(it.nodeid), []).append(it)
+    pos = {f: i for i, f in enumerate(files)}
     parent = {f: f for f in files}
 
     def root(f):
@@ -96,7 +97,7 @@ def shareable(items: list) -> dict[str, str]:
     for f, its in files.items():
         for name in set().union(*(_session_fixtures(it) for it in its)):
             if name in by_fixture:
-                a, b = sorted((root(by_fixture[name]), root(f)), key=list(files).index)
+                a, b = sorted((root(by_fixture[name]), root(f)), key=pos.get)
                 parent[b] = a
             else:
                 by_fixture[name] = f
@@ -105,7 +106,7 @@ def shareable(items: list) -> dict[str, str]:
         units.setdefault(root(f), []).append(f)
     stay = {root(file_of(it.nodeid)) for it in items if it.get_closest_marker(STAY)}
     out: dict[str, str] = {}
-    for unit in sorted((u for u in units if u not in stay), key=lambda u: -list(files).index(units[u][-1])):
+    for unit in sorted((u for u in units if u not in stay), key=lambda u: -pos[units[u][-1]]):
         for f in units[unit]:
             out.update((it.nodeid, unit) for it in files[f] if not it.get_closest_marker(MARK))
     return out
@@ -183,8 +184,7 @@ def pytest_runtest_logreport(report):
     if report.skipped and isinstance(report.longrepr, tuple):
         text = str(report.longrepr[2])                # the skip reason
     elif report.failed:
-        text = report.longreprtext[-6000:] + "".join(
-            f"\n{'-' * 20} {name} {'-' * 20}\n{content[-4000:]}" for name, content in report.sections)
+        text = report.longreprtext[-6000:]            # (the whole report, sections too, is below)
     with open(_follow.report, "a", encoding="utf-8") as f:
         f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
                             "duration": report.duration, "text": text,
