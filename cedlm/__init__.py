@@ -6,12 +6,14 @@ import os
 # 4.4 tok/s, 2 passive threads 4.1 tok/s). libgomp reads this when torch is first imported, so
 # it is set here, before any cedlm module imports torch; a value the user set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# torch.compile's artefacts of the compiled decode step (FX graphs, generated C++) in the user's
-# cache rather than /tmp, so a later start of the same model loads them instead of compiling
-# (set before torch's inductor reads it; a value the user set is kept).
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "cedlm",
-                                                              "inductor"))
-from cedlm.config import ConfigError, ModelConfig
+from cedlm.util import inductor_cache_dir  # noqa: E402
+
+# torch.compile's artefacts of the compiled decode step (FX graphs, generated C++) in cedlm's
+# cache folder rather than /tmp, beside the graph store: a later start of the same model loads
+# them instead of compiling (set before torch's inductor reads it; a value the user set is kept).
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
+from cedlm.config import ConfigError, ModelConfig  # noqa: E402
 
 
 def __getattr__(name):                 # the model and the engine (torch) are imported on first use

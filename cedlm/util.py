@@ -13,21 +13,25 @@ def cache_root() -> Path:
     return Path(os.environ.get("CEDLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cedlm"))
 
 
+def inductor_cache_dir() -> Path:
+    """Where torch.compile's artefacts go unless TORCHINDUCTOR_CACHE_DIR says: `inductor/` in
+    cedlm's cache folder, beside the graph store, so that one CEDLM_CACHE_DIR shared by several
+    users (a group-writable folder) or checkouts holds both. Inductor takes file locks and writes
+    while it loads, so where this user may not write that folder (another user's cache, read
+    only), their own `~/.cache/cedlm/inductor` instead: the stored graphs still load, their C++
+    built again there."""
+    d = cache_root() / "inductor"
+    probe = d if d.exists() else cache_root()
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        return Path(os.path.expanduser("~")) / ".cache" / "cedlm" / "inductor"
+    return d
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same directory, fsync, then rename: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write to a temp file in the same directory, fsync, then rename: never a half-written file
+    (with the permissions a plain ``open`` would give it: ``atomic_open``)."""
+    with atomic_open(path, "wb") as f:
+        f.write(data)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -49,3 +49,17 @@ def test_a_failed_write_leaves_the_old_directory_and_no_temp(tmp_path):
             raise RuntimeError("boom")
     assert [p.name for p in dst.iterdir()] == ["old.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002])
+def test_an_atomically_written_file_has_umask_permissions(tmp_path, mask):
+    """A file written whole (the graph store's graphs, estimates, exports) is readable by whoever a
+    plain `open` would let read it: a cache folder shared by a group needs umask 002's 0o664."""
+    from cedlm.util import atomic_write_bytes
+    old = os.umask(mask)
+    try:
+        atomic_write_bytes(tmp_path / "g.pt2", b"graph")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "g.pt2").read_bytes() == b"graph" and _mode(tmp_path / "g.pt2") == 0o666 & ~mask
+    assert [p.name for p in tmp_path.iterdir()] == ["g.pt2"]

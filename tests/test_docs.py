@@ -32,11 +32,12 @@ TEXT = {".py", ".md", ".txt", ".json", ".toml", ".yaml", ".yml", ".cfg", ".h", "
 
 
 def text_files() -> list[str]:
-    """The tracked text of cedlm/, tests/ (but the corpus fixtures, which are books), docs/ and the
-    top-level *.md files."""
-    files = tracked("cedlm", "tests", "docs", "*.md")
+    """The tracked text of cedlm/, tests/ (but the corpus fixtures, which are books), docs/,
+    bench/, experiments/ and the top-level *.md files."""
+    top = ("cedlm", "tests", "docs", "bench", "experiments")
+    files = tracked(*top, "*.md")
     return [f for f in files if Path(f).suffix in TEXT and not f.startswith("tests/fixtures/")
-            and ("/" not in f or f.split("/")[0] in ("cedlm", "tests", "docs"))]
+            and ("/" not in f or f.split("/")[0] in top)]
 
 
 def test_no_issue_numbers_or_work_log_phrases():

@@ -150,7 +150,8 @@ def test_a_store_that_cannot_be_written_still_serves(model, store, caplog):
     fn = _store(model)
     with caplog.at_level(logging.WARNING):
         assert _close(fn(*args)[0], decode_step(*args)[0])
-    assert fn.last == "compiled" and "not saved" in caplog.text
+    assert fn.last == "unsaved" and "not saved" in caplog.text
+    assert compiled_step.how(fn) == "compiled (not saved to the graph store: see the warning above)"
 
 
 def test_the_store_key_follows_code_model_and_options(model):
@@ -168,3 +169,35 @@ def test_stored_step_only_for_inductor_and_when_on(model, monkeypatch):
     assert isinstance(compiled_step.stored_step(model, "decode"), graph_store.GraphStore)
     monkeypatch.setenv("CEDLM_GRAPH_STORE", "0")
     assert not isinstance(compiled_step.stored_step(model, "decode"), graph_store.GraphStore)
+
+
+def test_one_cache_folder_holds_the_store_and_inductors_code(tmp_path):
+    """$CEDLM_CACHE_DIR moves inductor's cache with the graph store (a folder several users or
+    checkouts share holds both: a stored graph loads with its C++ already built); a
+    TORCHINDUCTOR_CACHE_DIR the user set is kept."""
+    import subprocess
+    import sys
+    probe = "import os, cedlm; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
+
+    def inductor_dir(**env):
+        e = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "CEDLM_CACHE_DIR")}
+        e.update(env)
+        return subprocess.run([sys.executable, "-c", probe], env=e, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert inductor_dir(CEDLM_CACHE_DIR=str(tmp_path)) == str(tmp_path / "inductor")
+    assert inductor_dir(CEDLM_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_CACHE_DIR="/elsewhere") == "/elsewhere"
+    assert inductor_dir(HOME=str(tmp_path / "home")) == str(tmp_path / "home" / ".cache" / "cedlm" / "inductor")
+
+
+def test_a_cache_folder_this_user_cannot_write_leaves_inductor_in_their_own(tmp_path, monkeypatch):
+    """Inductor locks and writes files while it loads a graph, so a shared folder this user may
+    only read (another user's) keeps the graph store but not inductor's cache."""
+    from cedlm.util import inductor_cache_dir
+    shared = tmp_path / "shared"
+    (shared / "inductor").mkdir(parents=True)
+    monkeypatch.setenv("CEDLM_CACHE_DIR", str(shared))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert inductor_cache_dir() == shared / "inductor"
+    monkeypatch.setattr(os, "access", lambda p, mode: str(p) != str(shared / "inductor"))
+    assert inductor_cache_dir() == tmp_path / "home" / ".cache" / "cedlm" / "inductor"

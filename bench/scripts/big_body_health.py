@@ -1,4 +1,4 @@
-"""/health latency and a bystander's stream while big request bodies arrive (issue 26, item 3).
+"""/health latency and a bystander's stream while big request bodies arrive.
 
     .venv/bin/python bench/scripts/big_body_health.py --bodies 3 --mib 7.9
 

@@ -11,7 +11,7 @@ dspark` takes them), greedy, `ignore_eos`, one sequence at a time:
 - fork: n = 2 greedy samples of each prompt: the first is prefilled, the second starts from a
   copy of its state; both samples' counters count.
 With the drafter's context as a full prefill leaves it in all three, the acceptance by position
-and the tokens per target forward agree (issue 28, item 5).
+and the tokens per target forward agree.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""A bystander's latency while one request of many prompts runs (issue 26, item 6).
+"""A bystander's latency while one request of many prompts runs.
 
     .venv/bin/python bench/scripts/fair_share.py --shares 4 8
 
 Serves `tiny` (8 sequence slots, 1 torch thread) on a loopback port. For each per-owner share
-given (`Scheduler.max_seqs_per_owner`, set on the live scheduler; 8 = no cap, the behaviour
-before issue 26), runs a 16-prompt completions request of 24 greedy tokens alone, then again
+given (`Scheduler.max_seqs_per_owner`, set on the live scheduler; 8 = no cap: every
+slot open to one request), runs a 16-prompt completions request of 24 greedy tokens alone, then again
 with a 4-token request sent as soon as the big one runs. Prints one JSON line per share: the big
 request's seconds alone and beside the bystander, and the bystander's seconds.
 """

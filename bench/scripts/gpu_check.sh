@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA tests and the GPU figures of issue 31, in at most 8 minutes on one GPU.
+# The CUDA tests and the GPU figures, in at most 8 minutes on one GPU.
 #
 #   bench/scripts/gpu_check.sh [--out DIR] [--budget SECONDS] [--cpu-smoke]
 #

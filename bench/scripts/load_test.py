@@ -1,4 +1,4 @@
-"""Load test of `cedlm serve` over loopback (issue 15): streaming bystanders, disconnects, and a
+"""Load test of `cedlm serve` over loopback: streaming bystanders, disconnects, and a
 long-prompt tenant. Bounded in count and time; never leaves 127.0.0.1.
 
     .venv/bin/python bench/scripts/load_test.py                     # ~2-4 min on a 2-core CPU

@@ -1,10 +1,10 @@
-"""Peak memory that prompt scoring adds (issue 26, item 2), one measurement per process.
+"""Peak memory that prompt scoring adds, one measurement per process.
 
     .venv/bin/python bench/scripts/prompt_scoring_memory.py --tokens 16384 --path chunked
     .venv/bin/python bench/scripts/prompt_scoring_memory.py --tokens 16384 --path oneshot
 
 `chunked`: the engine's path (`LLM.generate` with `prompt_logprobs`: the decoder runs chunk by
-chunk and each chunk is scored as it goes). `oneshot`: what the engine did before issue 26 (the
+chunk and each chunk is scored as it goes). `oneshot`: the one-shot alternative (the
 decoder over every prompt row at once, then every row's logits scored). `plain`: a normal
 prefill of the same prompt (no scoring), for reference. Prints one JSON line: the peak RSS above
 the RSS after loading and warming up (MiB), and the seconds taken. 1 torch thread.

@@ -136,7 +136,7 @@ class BackgroundCompile:
             self.say(f"compiling {label} ({i + 1}/{n}) in the background; "
                      + (f"about {est:.0f} s (the last compile here)" if est else
                         "the first compile on this machine takes minutes (then cached on disk)")
-                     + "; serving on the uncompiled step meanwhile")
+                     + "; the uncompiled step runs meanwhile")
             beat = threading.Event()
             ticker = threading.Thread(target=self._heartbeat, args=(label, i, n, beat), daemon=True)
             ticker.start()

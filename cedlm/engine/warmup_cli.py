@@ -1,6 +1,7 @@
-"""`cedlm warmup`: build the compiled decode step's graphs ahead of time, into the on-disk cache
-(`~/.cache/cedlm/inductor`), so that a later `cedlm serve` (same model, same `--threads`, same
-`--speculative`) starts on the compiled step at once. Optional: `cedlm serve` answers without it
+"""`cedlm warmup`: build the compiled decode step's graphs ahead of time, into cedlm's cache
+folder (`$CEDLM_CACHE_DIR`, default `~/.cache/cedlm`: the graph store and inductor's C++), so that
+a later `cedlm serve` (same model and code, same `--speculative`) starts on the compiled step at
+once. Optional: `cedlm serve` answers without it
 on the uncompiled step while it compiles in the background.
 """
 from __future__ import annotations

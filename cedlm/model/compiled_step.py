@@ -44,8 +44,9 @@ from cedlm.model.state import ByteRows, SequenceState
 from cedlm.model.step_graph import StepGraphs
 
 ENV_VAR = "CEDLM_DECODE_STEP"
-# (cedlm/__init__.py points TORCHINDUCTOR_CACHE_DIR at ~/.cache/cedlm/inductor: a second start
-# of the same model loads the compiled graphs instead of compiling them)
+# (cedlm/__init__.py points TORCHINDUCTOR_CACHE_DIR at $CEDLM_CACHE_DIR/inductor, default
+# ~/.cache/cedlm/inductor: a second start of the same model loads the compiled graphs instead of
+# compiling them)
 MODES = DECODE_STEPS
 # The decode step compiled by region: one compiled `Block.step` per layer kind (`Block.kind`),
 # reused by every layer of that kind and called from `decode_step` run uncompiled, rather than
@@ -265,6 +266,8 @@ def how(fn) -> str:
         return "loaded from the graph store"
     if last == "compiled":
         return "compiled (saved to the graph store for the next start)"
+    if last == "unsaved":
+        return "compiled (not saved to the graph store: see the warning above)"
     return "compiled (inductor; its code cached on disk)"
 
 

@@ -153,7 +153,7 @@ class GraphStore:
         self.prefix = f"{name}-{model_digest(model, extra or {})[:16]}"
         self.graphs: dict[str, object] = {}          # call key -> loaded or built function, or None
         self.labels: dict[str, str] = {}             # the caller's graph name -> call key
-        self.source: dict[str, str] = {}             # call key -> "loaded" / "compiled" / "lazy"
+        self.source: dict[str, str] = {}             # call key -> "loaded" / "compiled" / "unsaved" / "lazy"
         self.last = None                             # how the last call's graph was obtained
 
     def path(self, key: str) -> Path:
@@ -212,11 +212,12 @@ class GraphStore:
             log.warning("%s step: precompiling failed (%s: %s); compiling it as usual", self.name,
                         type(e).__name__, (str(e).splitlines() or [""])[0][:200])
             return None
-        self.source[key] = "compiled"
         try:
             atomic_write_bytes(path, type(fn).serialize(fn, ext).serialized_data)
+            self.source[key] = "compiled"
             _trim(store_dir())
         except Exception as e:                              # a full disk, a read-only cache
+            self.source[key] = "unsaved"
             log.warning("%s step: the compiled graph was not saved (%s: %s)", self.name,
                         type(e).__name__, (str(e).splitlines() or [""])[0][:200])
         return fn

@@ -6,8 +6,8 @@
 
 What is compiled is the whole forward and the cross-entropy; the MoE's routed experts stay eager
 (their shapes follow the routing: `MoE._routed`), so each layer's graph ends before them and a
-new one starts after. Inductor's artefacts go to `~/.cache/cedlm/inductor` (or
-$TORCHINDUCTOR_CACHE_DIR when set): a second start with the same model shapes reuses them and
+new one starts after. Inductor's artefacts go to `inductor/` in cedlm's cache folder
+(`$CEDLM_CACHE_DIR`, else `~/.cache/cedlm`; $TORCHINDUCTOR_CACHE_DIR when set): a second start with the same model shapes reuses them and
 compiles in a fraction of the first start's time.
 
 Eager and compiled agree within float rounding (tests/test_train_compile.py), not bit for bit:
@@ -25,9 +25,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from cedlm.util import inductor_cache_dir
+
 ENV_VAR = "CEDLM_TRAIN_COMPILE"         # --compile's default: off unless this says on
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
-DEFAULT_CACHE = Path.home() / ".cache" / "cedlm" / "inductor"
 
 
 def compile_flag(value: str) -> bool:
@@ -58,14 +59,14 @@ def compile_default() -> bool:
 
 
 def use_inductor_cache() -> Path:
-    """Point inductor's on-disk cache at ~/.cache/cedlm/inductor unless the caller chose another
-    directory in $TORCHINDUCTOR_CACHE_DIR; -> the directory. (Importing torch's compile stack
+    """Point inductor's on-disk cache at cedlm's (`cedlm.util.inductor_cache_dir`) unless the
+    caller chose another directory in $TORCHINDUCTOR_CACHE_DIR; -> the directory. (Importing torch's compile stack
     sets that variable to inductor's default under /tmp, which a reboot empties: that value is
     taken as not chosen.)"""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     cur = os.environ.get(CACHE_ENV)
     if cur is None or os.path.abspath(cur) == os.path.abspath(default_cache_dir()):
-        os.environ[CACHE_ENV] = str(DEFAULT_CACHE)
+        os.environ[CACHE_ENV] = str(inductor_cache_dir())
     d = Path(os.environ[CACHE_ENV])
     d.mkdir(parents=True, exist_ok=True)
     return d

@@ -88,7 +88,7 @@ def passkey_rows(trained: dict, init: dict) -> list[dict]:
 
 
 def targets(s: dict, why: dict) -> list[dict]:
-    """Issue 29's targets, each with what this model measures."""
+    """The default model's targets, each with what this model measures."""
     pk = {r["length"]: r for r in s["joint_passkey"]}
 
     def passkey(n, goal):
