@@ -14,7 +14,9 @@ process's file limit (`ulimit -n`) on both sides.
 
 Prints one JSON line: connections open at the peak, 408 answers and other closes, connect errors,
 the bystander runs, their longest gap and how many were identical, /health and /v1/models worst,
-the server's peak RSS, and its KV blocks in use after.
+the server's peak RSS, its KV blocks in use after, and its garbage collections of 10 ms or more
+while the connections trickled (count and longest by generation; `gen2` are the full passes),
+timed by a `gc.callbacks` hook the server starts with.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +37,40 @@ from load_test import HOST, free_port, wait_compiled, wait_ready  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "cedlm-tiny"
+
+# `cedlm serve` with a `gc.callbacks` hook: every garbage collection of 10 ms or more is appended to
+# the file argv[1] (wall time, generation, seconds, objects collected); argv[2:] are serve's arguments
+SERVER = r"""
+import gc, runpy, sys, time
+log = open(sys.argv[1], "a", buffering=1)
+began = {}
+
+def timed(phase, info):
+    if phase == "start":
+        began["t"] = time.perf_counter()
+    elif "t" in began:
+        took = time.perf_counter() - began.pop("t")
+        if took >= 0.01:
+            log.write(f"{time.time():.3f} {info['generation']} {took:.4f} {info['collected']}\n")
+
+gc.callbacks.append(timed)
+sys.argv = ["cedlm", *sys.argv[2:]]
+runpy.run_module("cedlm.cli", run_name="__main__")
+"""
+
+
+def collections(path: Path, since: float, until: float) -> dict:
+    """The server's collections of 10 ms or more between two wall times: how many and the longest,
+    by generation (0, 1: young and middle; 2: full)."""
+    out = {}
+    for ln in path.read_text().splitlines() if path.exists() else []:
+        t, gen, took, _ = ln.split()
+        if since <= float(t) <= until:
+            g = out.setdefault(f"gen{gen}", {"count": 0, "longest_s": 0.0})
+            g["count"] += 1
+            g["longest_s"] = round(max(g["longest_s"], float(took)), 3)
+    return out
+
 
 # a process of its own: bystanders back to back and /health, /v1/models polled; stops when a line
 # arrives on its stdin and prints what it saw
@@ -165,8 +202,9 @@ def main() -> int:
         raise SystemExit(f"--connections {a.connections}: the file limit is {hard} (ulimit -n)")
     port = free_port()
     base = f"http://{HOST}:{port}"
+    gc_log = Path(tempfile.mkdtemp(prefix="slow_bodies.")) / "gc.log"
     server = subprocess.Popen(
-        [sys.executable, "-m", "cedlm.cli", "serve", "--model", "tiny", "--host", HOST, "--port", str(port),
+        [sys.executable, "-c", SERVER, str(gc_log), "serve", "--model", "tiny", "--host", HOST, "--port", str(port),
          "--served-model-name", MODEL, "--threads", "1", "--decode-step", a.decode_step, "--log-level", "warning",
          "--http", a.http, "--loop", a.loop],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -180,7 +218,9 @@ def main() -> int:
         watcher = subprocess.Popen([sys.executable, "-c", WATCHER, base, MODEL], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, text=True)
         time.sleep(2.0)                           # its first bystander alone
+        since = time.time()
         stats = asyncio.run(trickle(port, a.connections, a.ramp, a.seconds, a.interval))
+        until = time.time()
         seen = json.loads(watcher.communicate("stop\n", timeout=600)[0])
         kv = None
         for ln in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
@@ -193,7 +233,8 @@ def main() -> int:
                           "health_worst_s": round(seen["worst"]["/health"], 3),
                           "models_worst_s": round(seen["worst"]["/v1/models"], 3),
                           "watcher_errors": seen["n_errors"], "watcher_error_samples": seen["errors"],
-                          "server_peak_rss_mib": peak_rss_mib(server.pid), "kv_blocks_in_use_after": kv}))
+                          "server_peak_rss_mib": peak_rss_mib(server.pid), "kv_blocks_in_use_after": kv,
+                          "server_collections_over_10ms": collections(gc_log, since, until)}))
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
