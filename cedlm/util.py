@@ -8,9 +8,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def _user_cache() -> Path:
+    """This user's own cache folder: ~/.cache/cedlm."""
+    return Path(os.path.expanduser("~")) / ".cache" / "cedlm"
+
+
 def cache_root() -> Path:
     """cedlm's cache folder: $CEDLM_CACHE_DIR, else ~/.cache/cedlm."""
-    return Path(os.environ.get("CEDLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cedlm"))
+    d = os.environ.get("CEDLM_CACHE_DIR")
+    return Path(d) if d else _user_cache()
 
 
 def inductor_cache_dir() -> Path:
@@ -23,7 +29,7 @@ def inductor_cache_dir() -> Path:
     d = cache_root() / "inductor"
     probe = d if d.exists() else cache_root()
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
-        return Path(os.path.expanduser("~")) / ".cache" / "cedlm" / "inductor"
+        return _user_cache() / "inductor"
     return d
 
 
@@ -99,6 +105,15 @@ def atomic_directory(path: str | Path):
 
 
 def _umask() -> int:
+    """The process's umask. Linux reports it in /proc; elsewhere it is read by setting it and
+    putting it back, which for that instant gives a file another thread creates the wrong mode."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask

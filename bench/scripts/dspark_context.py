@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+CASES = ("full", "prefix_hit", "fork")
 
 
 def _stats(e) -> dict:
@@ -61,7 +62,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--policy", default="adaptive", help="speculative policy (\"always\": every step "
                     "speculates, the drafter's acceptance on every token)")
-    ap.add_argument("--cases", default="full,prefix_hit,fork", help="which of full, prefix_hit, fork")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"which of {', '.join(CASES)}")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     import torch
@@ -76,7 +77,8 @@ def main() -> int:
 
     def engine(cache: bool):
         return Engine(model, tok, EngineConfig(kv_budget_bytes=64 << 20, max_num_seqs=4, block_tokens=16,
-                                               enable_prefix_cache=cache), speculative=SpeculativeConfig(policy=args.policy))
+                                               enable_prefix_cache=cache),
+                      speculative=SpeculativeConfig(policy=args.policy))
 
     def run(e, p, n=1):
         sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, n=n)
@@ -86,9 +88,9 @@ def main() -> int:
         return reqs
 
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    bad = sorted(set(cases) - {"full", "prefix_hit", "fork"})
+    bad = sorted(set(cases) - set(CASES))
     if bad:
-        ap.error(f"--cases: unknown {', '.join(bad)} (full, prefix_hit, fork)")
+        ap.error(f"--cases: unknown {', '.join(bad)} ({', '.join(CASES)})")
     res = {k: [] for k in cases}
     hits = []
     for p in prompts:

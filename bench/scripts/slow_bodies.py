@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -202,7 +203,8 @@ def main() -> int:
         raise SystemExit(f"--connections {a.connections}: the file limit is {hard} (ulimit -n)")
     port = free_port()
     base = f"http://{HOST}:{port}"
-    gc_log = Path(tempfile.mkdtemp(prefix="slow_bodies.")) / "gc.log"
+    scratch = Path(tempfile.mkdtemp(prefix="slow_bodies."))
+    gc_log = scratch / "gc.log"
     server = subprocess.Popen(
         [sys.executable, "-c", SERVER, str(gc_log), "serve", "--model", "tiny", "--host", HOST, "--port", str(port),
          "--served-model-name", MODEL, "--threads", "1", "--decode-step", a.decode_step, "--log-level", "warning",
@@ -241,6 +243,7 @@ def main() -> int:
             server.wait(20)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
+        shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 

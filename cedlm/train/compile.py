@@ -7,8 +7,8 @@
 What is compiled is the whole forward and the cross-entropy; the MoE's routed experts stay eager
 (their shapes follow the routing: `MoE._routed`), so each layer's graph ends before them and a
 new one starts after. Inductor's artefacts go to `inductor/` in cedlm's cache folder
-(`$CEDLM_CACHE_DIR`, else `~/.cache/cedlm`; $TORCHINDUCTOR_CACHE_DIR when set): a second start with the same model shapes reuses them and
-compiles in a fraction of the first start's time.
+(`$CEDLM_CACHE_DIR`, else `~/.cache/cedlm`; $TORCHINDUCTOR_CACHE_DIR when set): a second start
+with the same model shapes reuses them and compiles in a fraction of the first start's time.
 
 Eager and compiled agree within float rounding (tests/test_train_compile.py), not bit for bit:
 inductor fuses and reorders float operations. One difference is kept away by `drop_unrouted`:
@@ -60,9 +60,9 @@ def compile_default() -> bool:
 
 def use_inductor_cache() -> Path:
     """Point inductor's on-disk cache at cedlm's (`cedlm.util.inductor_cache_dir`) unless the
-    caller chose another directory in $TORCHINDUCTOR_CACHE_DIR; -> the directory. (Importing torch's compile stack
-    sets that variable to inductor's default under /tmp, which a reboot empties: that value is
-    taken as not chosen.)"""
+    caller chose another directory in $TORCHINDUCTOR_CACHE_DIR; -> the directory. (Importing
+    torch's compile stack sets that variable to inductor's default under /tmp, which a reboot
+    empties: that value is taken as not chosen.)"""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     cur = os.environ.get(CACHE_ENV)
     if cur is None or os.path.abspath(cur) == os.path.abspath(default_cache_dir()):

@@ -108,7 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     a("--compile", type=compile_flag, metavar="on|off",
       help="torch.compile the training forward + backward (default off, or $CEDLM_TRAIN_COMPILE; "
-           "the first step compiles, its time is logged; artefacts cached in $CEDLM_CACHE_DIR/inductor, default ~/.cache/cedlm/inductor)")
+           "the first step compiles, its time is logged; artefacts cached in "
+           "$CEDLM_CACHE_DIR/inductor, default ~/.cache/cedlm/inductor)")
     a("--mixture", help="joint pretraining: a MixtureConfig JSON file (row weights of corpus / chat / "
                         "retrieval / repeat, the (step, seq_len) curriculum; cedlm/train/joint.py); "
                         "--batch-size is then the rows at the first stage, tokens per step kept after")
