@@ -252,6 +252,7 @@ def run(args) -> int:
 
     from cedlm.server.http_protocol import http_protocol
     failure: list[str] = []
+    engine_down: list[str] = []         # why the engine failed for good (exit status 1)
 
     def build():                        # in a thread, while /health answers "loading"
         import torch
@@ -273,6 +274,7 @@ def run(args) -> int:
         # a clean shutdown, then exit status 1 below (a SIGTERM to ourselves would end the
         # process with uvicorn's re-raised signal, status 143, before that)
         logging.getLogger("cedlm.server").critical("the engine has failed (%s): shutting the server down", reason)
+        engine_down.append(reason)
         server.should_exit = True
     starting = StartingApp(build, on_failed)
     config = uvicorn.Config(starting, log_level=args.log_level, lifespan="on", loop=args.loop,
@@ -286,8 +288,9 @@ def run(args) -> int:
         sock.close()
     if failure:
         return fail(failure[0])
-    worker = getattr(getattr(starting.app, "state", None), "worker", None)
-    if worker is not None and worker.failed:      # the engine failed for good and shut the server down
-        print(f"cedlm serve: the engine failed: {worker.failed}", file=sys.stderr, flush=True)
+    if engine_down:                               # the engine failed for good and shut the server down
+        # (said by the callback itself: a failure right after the load, before `starting.app` is
+        # set, is known here too)
+        print(f"cedlm serve: the engine failed: {engine_down[0]}", file=sys.stderr, flush=True)
         return 1
     return 0
