@@ -471,3 +471,37 @@ def test_compile_opt_level_knob(monkeypatch):
     compiled_step._opt_level_flags()
     cflags, _ = cpp_builder._get_optimization_cflags("g++")
     assert "O2" in cflags and "O3" not in cflags
+
+
+def test_products_of_a_batch_1_graph_become_loops(tmp_path, monkeypatch):
+    """A step with `loop_rows` compiles its batch-1 graph's products of that many rows as
+    inductor's loops (torch's `decompose_mm_pass`, whose limits are module globals that the
+    options alone do not reach), and leaves them MKL's in a graph of a dynamic batch; the limits
+    are put back after each call, and the loops give MKL's values within float rounding."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.fx_passes import decompose_mem_bound_mm as dm
+    from cedlm.model import compiled_step
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))    # compiled, not found cached
+    before = (dm.cpu_max_first_dimension_decomposition, dm.cpu_max_other_dimension_decomposition)
+
+    def product(x, w):
+        return x @ w
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 4096, generator=g)
+    x = torch.randn(6, 256, generator=g)
+    counters.clear()
+    fn = compiled_step.compile_step("cpu", product, loop_rows=6)
+    y = compiled_step.call(fn, "1", x, w, loop_rows=6)
+    assert counters["inductor"]["decompose_mm"] == 1
+    assert (dm.cpu_max_first_dimension_decomposition, dm.cpu_max_other_dimension_decomposition) == before
+    torch.testing.assert_close(y, x @ w, rtol=1e-4, atol=1e-4)
+    counters.clear()
+    fn = compiled_step.compile_step("cpu", product, loop_rows=6)
+    xs = torch.randn(6, 256, generator=g)
+    compiled_step.mark_dynamic((xs, 0))                              # rows vary, as a batch does
+    compiled_step.call(fn, ">= 2", xs, w, loop_rows=6)
+    assert counters["inductor"]["decompose_mm"] == 0
+    opts = compiled_step.inductor_options("cpu", 6)["post_grad_fusion_options"]["decompose_mm_pass"]
+    assert opts["cpu_max_first_dimension_decomposition"] == 6       # inductor's cache key tells them apart
+    assert "post_grad_fusion_options" not in compiled_step.inductor_options("cpu", 0)

@@ -32,6 +32,7 @@ import logging
 import os
 import time
 import weakref
+from contextlib import contextmanager
 
 import torch
 
@@ -52,6 +53,9 @@ MODES = DECODE_STEPS
 # reused by every layer of that kind and called from `decode_step` run uncompiled, rather than
 # the whole step as one graph (CEDLM_COMPILE_REGIONS=1/0 overrides; see `Regions`).
 REGIONS = os.environ.get("CEDLM_COMPILE_REGIONS", "0") == "1"
+# The widest product `products_as_loops` generates as loops (the vocabulary head is 4,096 wide).
+LOOP_MAX_WIDTH = 1 << 20
+_LOOP_LIMITS = ("cpu_max_first_dimension_decomposition", "cpu_max_other_dimension_decomposition")
 # torch.compile's backend for the compiled steps. Another one ("eager": dynamo's capture and
 # guards without code generation) lets a test count graphs and recompilations in seconds.
 BACKEND = "inductor"
@@ -117,17 +121,18 @@ def _opt_level_flags() -> None:
     cpp_builder._get_optimization_cflags = flags
 
 
-def stored_step(model, name: str, fn=None, one_row_products: bool = False):
+def stored_step(model, name: str, fn=None, loop_rows: int = 0):
     """The compiled step `fn` (default `model.decode_step`) for `model`, its graphs saved to and
     loaded from the graph store (`graph_store.py`); the lazily compiled function alone when the
-    store is off (CEDLM_GRAPH_STORE=0) or the backend is not inductor."""
-    lazy = compile_step(model.device, fn, one_row_products)
+    store is off (CEDLM_GRAPH_STORE=0) or the backend is not inductor. loop_rows: the rows of
+    its batch-1 graph's products, generated as loops (`inductor_options`); 0: MKL's."""
+    lazy = compile_step(model.device, fn, loop_rows)
     if BACKEND != "inductor" or not graph_store.enabled():
         return lazy
     return graph_store.GraphStore(model, name, lazy,
-                                  lambda: compile_step(model.device, fn, one_row_products, portable=True),
-                                  extra={"opt": OPT_LEVEL, "one_row_products": one_row_products},
-                                  config=inductor_options(model.device, one_row_products))
+                                  lambda: compile_step(model.device, fn, loop_rows, portable=True),
+                                  extra={"opt": OPT_LEVEL, "loop_rows": loop_rows},
+                                  config=inductor_options(model.device, loop_rows))
 
 
 def _portable_guards(entries):
@@ -137,10 +142,11 @@ def _portable_guards(entries):
     return [k and not e.orig_guard.source.is_unspecialized_nn_module() for k, e in zip(keep, entries)]
 
 
-def compile_step(device, fn=None, one_row_products: bool = False, portable: bool = False):
+def compile_step(device, fn=None, loop_rows: int = 0, portable: bool = False):
     """`fn` (default `model.decode_step`; a copy of its own, `own_copy`) through torch.compile for
-    a model on `device`: the decode step's graphs (`one_row_products`), the verify step's or
-    the draft step's (`dspark_steps.py`); portable: with the guards a stored graph keeps."""
+    a model on `device`: the decode step's graphs, the verify step's or the draft step's
+    (`dspark_steps.py`), their batch-1 products of `loop_rows` rows as loops; portable: with the
+    guards a stored graph keeps."""
     # The guards on the model's modules and parameters (hundreds of checks, measured at 2.8 ms
     # of a 9 ms step) are dropped: this object compiles its own copy of the step for one model,
     # whose structure does not change; what could change is checked by `why_not` before every
@@ -154,10 +160,10 @@ def compile_step(device, fn=None, one_row_products: bool = False, portable: bool
     if torch.device(device).type == "cpu":
         _opt_level_flags()
     return torch.compile(own_copy(fn or decode_step), fullgraph=True, options={
-        **inductor_options(device, one_row_products), "guard_filter_fn": guards})
+        **inductor_options(device, loop_rows), "guard_filter_fn": guards})
 
 
-def inductor_options(device, one_row_products: bool = False) -> dict:
+def inductor_options(device, loop_rows: int = 0) -> dict:
     """Inductor's settings for a step's graphs: while compiling, and while loading a stored graph
     (`graph_store.py`: its C++ is built, or found in inductor's cache, under the same flags)."""
     cpu = torch.device(device).type == "cpu"
@@ -173,15 +179,18 @@ def inductor_options(device, one_row_products: bool = False) -> dict:
         "cpp.dynamic_threads": True}
     if cpu:
         options["aot_inductor.enable_line_tables"] = False
-    if one_row_products and cpu:
-        # The decode step's one-row products (batch 1) as multiply-and-sum loops that inductor
-        # generates and fuses with their neighbours, not calls of MKL's matrix-vector product:
-        # inductor's own pass (`decompose_mm_pass`; on the CPU it takes products of one row, up
-        # to the width set here, which covers every projection and the vocabulary). Measured on
-        # 12 layers of this model's shapes, one row: 4.8 -> 3.0 ms (8.8 -> 13.9 GB/s of weights
-        # read). Graphs of several rows (batch >= 2, the verify and draft steps) keep MKL.
-        options["post_grad_fusion_options"] = {
-            "decompose_mm_pass": {"cpu_max_other_dimension_decomposition": 1 << 20}}
+    if loop_rows and cpu:
+        # The products of a batch-1 graph (one row for the decode step, the block's rows for the
+        # verify and draft steps) as multiply-and-sum loops that inductor generates and fuses
+        # with their neighbours, not calls of MKL: inductor's own pass (`decompose_mm_pass`).
+        # Measured on every projection and expert of the shipped model (bench/scripts/
+        # verify_step_time.py beside it): one row 7.8 -> 3.2 ms, six rows 10.4 -> 5.2 ms. The
+        # pass reads its limits from module globals, which `products_as_loops` sets around
+        # each call; they are here too so that inductor's cache tells the graphs apart. Graphs
+        # of a dynamic batch (>= 2) keep MKL.
+        options["post_grad_fusion_options"] = {"decompose_mm_pass": {
+            "cpu_max_first_dimension_decomposition": loop_rows,
+            "cpu_max_other_dimension_decomposition": LOOP_MAX_WIDTH}}
     return options
 
 
@@ -199,7 +208,7 @@ class Regions:
         for l, layer in enumerate(model.layers):
             k = layer.kind()
             if k not in kinds:
-                kinds[k] = compile_step(device, Block.step, one_row_products=True)
+                kinds[k] = compile_step(device, Block.step, loop_rows=1)
             self.blocks[l] = _Region(kinds[k])
         self.kinds = len(kinds)
 
@@ -251,9 +260,39 @@ def error_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [""])[0][:200]
 
 
-def call(fn, graph: str, *args):
+@contextmanager
+def products_as_loops(rows: int):
+    """While a step's graph may compile: products of at most `rows` rows (a static count) and
+    at most `LOOP_MAX_WIDTH` columns become inductor's loops (`inductor_options`), the others
+    stay MKL's. torch's pass (`decompose_mem_bound_mm`, pinned with torch 2.13.0) reads these
+    limits from module globals set when it is first imported, not from the options a compile
+    passes; a graph of a dynamic batch is compiled with 1 row (a larger limit would make the
+    pass guard its batched products on the batch size). Left alone if the names moved."""
+    try:
+        from torch._inductor.fx_passes import decompose_mem_bound_mm as dm
+    except ImportError:
+        dm = None
+    if dm is None or not all(hasattr(dm, n) for n in _LOOP_LIMITS):
+        yield
+        return
+    old = [getattr(dm, n) for n in _LOOP_LIMITS]
+    dm.cpu_max_first_dimension_decomposition = rows
+    dm.cpu_max_other_dimension_decomposition = LOOP_MAX_WIDTH
+    try:
+        yield
+    finally:
+        for n, v in zip(_LOOP_LIMITS, old):
+            setattr(dm, n, v)
+
+
+def call(fn, graph: str, *args, loop_rows: int = 0):
     """`fn(*args)`; a stored step (`graph_store.GraphStore`) also told which graph the call runs
-    (`graph_name`), which spares it working that out from the arguments at every step."""
+    (`graph_name`), which spares it working that out from the arguments at every step. A step
+    with `loop_rows` runs under `products_as_loops` (that many rows in its batch-1 graph, 1 in
+    the others)."""
+    if loop_rows:
+        with products_as_loops(loop_rows if graph.startswith("1") else 1):
+            return call(fn, graph, *args)
     if isinstance(fn, graph_store.GraphStore):
         return fn(*args, graph=graph)
     return fn(*args)
@@ -273,12 +312,12 @@ def how(fn) -> str:
 
 def run_step(step, name: str, uncompiled, args, graph: str):
     """`step.fn(*args)` for a step object compiled apart from the decode step (the verify and
-    draft steps: `fn`, `compile`, `compile_s`, `log`): if torch.compile fails (no compiler
-    here), log one line and run `uncompiled` from then on; the first call of each compiled
-    `graph` is timed into `compile_s` (and logged)."""
+    draft steps: `fn`, `compile`, `compile_s`, `log`, `loop_rows`): if torch.compile fails (no
+    compiler here), log one line and run `uncompiled` from then on; the first call of each
+    compiled `graph` is timed into `compile_s` (and logged)."""
     t0 = time.perf_counter()
     try:
-        result = call(step.fn, graph, *args)
+        result = call(step.fn, graph, *args, loop_rows=step.loop_rows if step.compile else 0)
     except Exception as e:
         if not step.compile:
             raise
@@ -352,9 +391,10 @@ class CompiledDecode:
         if self.mode != "eager":
             prepare_static(model)
         self.fn = self.uncompiled = decode_step
+        self.loop_rows = 1                            # the products of its batch-1 graph: one row
         if self.compile:
             self.fn = (Regions(model, self.device) if REGIONS else
-                       stored_step(model, "decode", one_row_products=True))
+                       stored_step(model, "decode", loop_rows=1))
         # the modules whose state can take a call off the step (decisions), and the Engram
         # modules (an offloaded table: its rows are looked up on the host, before the step)
         self._watched = [mod for mod in model.modules() if hasattr(mod, "decisions")]
@@ -446,7 +486,8 @@ class CompiledDecode:
             if self.graphs is not None:
                 logits, out = self.graphs(shapes, args, copied)
             else:
-                logits, out = call(self.fn, graph, shapes, *args)
+                logits, out = call(self.fn, graph, shapes, *args,
+                                   loop_rows=self.loop_rows if self.compile else 0)
         except Exception as e:
             # torch.compile without a compiler or Python headers, an inductor bug, a CUDA graph
             # capture that fails: the same step uncompiled (nothing was written yet)

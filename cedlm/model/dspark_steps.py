@@ -71,8 +71,9 @@ class VerifyStep:
         self.decoder, self.model, self.T = decoder, decoder.model, T
         self.compile = decoder.mode == "compiled"
         self.fn = self.uncompiled = decode_step
+        self.loop_rows = T                       # the products of its batch-1 graph: T rows
         if self.compile:                         # a graph of its own (options as the decode step's)
-            self.fn = stored_step(decoder.model, f"verify{T}")
+            self.fn = stored_step(decoder.model, f"verify{T}", loop_rows=T)
         self._shapes: dict[bool, StepShapes] = {}
         self.compile_s: dict[str, float] = {}
         self.log = log
@@ -162,7 +163,9 @@ class DraftStep:
         self.decoder, self.model = decoder, decoder.model
         self.compile = decoder.mode == "compiled"
         self.uncompiled = dspark.draft_step
-        self.fn = stored_step(decoder.model, "draft", dspark.draft_step) if self.compile else dspark.draft_step
+        self.loop_rows = decoder.model.cfg.dspark_block_size       # a block's rows (batch 1)
+        self.fn = (stored_step(decoder.model, "draft", dspark.draft_step, self.loop_rows)
+                   if self.compile else dspark.draft_step)
         self.compile_s: dict[str, float] = {}
         self.log = log
 
