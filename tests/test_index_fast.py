@@ -49,6 +49,23 @@ def test_topk_is_bit_identical(shape, k):
     assert torch.equal(vals.view(torch.int32), rvals.view(torch.int32))
 
 
+def test_topk_orders_signed_zeros_and_nans_as_the_reference():
+    """NaNs of either sign and payload first (newest first among them), -0.0 tied with +0.0, -inf
+    last; values returned with their own bits."""
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(2, 3, 5000, generator=g).round()           # many ties, zeros among them
+    flat = s.view(-1)
+    flat[::5] = -0.0
+    flat[1::97] = float("nan")
+    flat.view(torch.int32)[2::89] = -4194304                   # 0xFFC00000: a negative NaN
+    flat[3::13] = float("-inf")
+    for k in (1, 64, 5000):
+        ids, vals = stable_topk(s, k)
+        rids, rvals = _ref_topk(s, k)
+        assert torch.equal(ids, rids)
+        assert torch.equal(vals.view(torch.int32), rvals.view(torch.int32))
+
+
 def test_topk_of_a_row_of_equal_scores_is_the_newest():
     s = torch.zeros(1, 1, 10)
     ids, _ = stable_topk(s, 3)

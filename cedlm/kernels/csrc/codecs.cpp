@@ -502,6 +502,7 @@ std::vector<torch::Tensor> stable_topk(torch::Tensor score, int64_t k) {
               score.device().is_cpu(), "stable_topk: score must be a float32 CPU tensor");
   const int64_t N = score.size(-1);
   TORCH_CHECK(k >= 0 && k <= N, "stable_topk: k=", k, " outside [0, ", N, "]");
+  TORCH_CHECK(N <= 0xFFFFFFFFLL, "stable_topk: a row of ", N, " scores (at most 2^32 - 1)");
   auto s = score.contiguous();
   const int64_t R = N ? s.numel() / N : 0;
   auto shape = s.sizes().vec();
@@ -513,9 +514,9 @@ std::vector<torch::Tensor> stable_topk(torch::Tensor score, int64_t k) {
   float* vp = val.data_ptr<float>();
   at::parallel_for(0, R, std::max<int64_t>(1, 65536 / std::max<int64_t>(N, 1)),
                    [&](int64_t r0, int64_t r1) {
-    std::vector<cedlm_index::Entry> heap;
+    std::vector<uint64_t> keys;
     for (int64_t r = r0; r < r1; ++r)
-      cedlm_index::topk_row(sp + r * N, N, k, ip + r * k, vp + r * k, heap);
+      cedlm_index::topk_row(sp + r * N, N, k, ip + r * k, vp + r * k, keys);
   });
   return {idx, val};
 }

@@ -21,6 +21,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 #if defined(__SSE2__) && !defined(CEDLM_CODECS_SCALAR)
@@ -196,36 +198,43 @@ void score_rows(const float* q, const float* w, const uint8_t* vis, float* out, 
   }
 }
 
-// The k best of row[0..N) under the reference's order -> idx[0..k), val[0..k): one pass keeping
-// the k best in a heap whose top is the worst of them, then the k sorted.
-struct Entry { float v; int64_t i; };
-
-inline bool before(const Entry& x, const Entry& y) {    // x comes first in the reference's output
-  const bool nx = std::isnan(x.v), ny = std::isnan(y.v);
-  if (nx != ny) return nx;                               // NaN sorts first (descending sort)
-  if (!nx && x.v != y.v) return x.v > y.v;
-  return x.i > y.i;                                      // equal (or both NaN): newest first
+// The k best of row[0..N) under the reference's order -> idx[0..k), val[0..k).
+// The reference's order as one unsigned integer compared with >: the score's bits made
+// monotone in the upper half (NaN largest, -0.0 equal to +0.0), the index in the lower half (equal
+// scores: the newest first). The k largest keys are kept in a heap and then sorted: a strict total
+// order, so the result is the reference's, bit for bit; the values are read back from the row,
+// so a NaN's payload and a zero's sign are kept.
+inline uint64_t order_key(float v, int64_t i) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  uint32_t m;
+  if (std::isnan(v)) m = 0xFFFFFFFFu;
+  else if (v == 0.f) m = 0x80000000u;                    // -0.0 and +0.0 tie
+  else m = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return (static_cast<uint64_t>(m) << 32) | static_cast<uint64_t>(i);
 }
 
 inline void topk_row(const float* row, int64_t N, int64_t k, int64_t* idx, float* val,
-                     std::vector<Entry>& heap) {
-  heap.clear();
+                     std::vector<uint64_t>& keys) {
+  keys.clear();
   if (k == 0) return;
-  for (int64_t i = 0; i < N; ++i) {
-    const Entry e{row[i], i};
-    if (static_cast<int64_t>(heap.size()) < k) {
-      heap.push_back(e);
-      std::push_heap(heap.begin(), heap.end(), before);
-    } else if (before(e, heap.front())) {
-      std::pop_heap(heap.begin(), heap.end(), before);
-      heap.back() = e;
-      std::push_heap(heap.begin(), heap.end(), before);
+  // the k largest keys in a heap whose top is the smallest of them
+  const auto worse = std::greater<uint64_t>();
+  for (int64_t i = 0; i < k; ++i) keys.push_back(order_key(row[i], i));
+  std::make_heap(keys.begin(), keys.end(), worse);
+  for (int64_t i = k; i < N; ++i) {
+    const uint64_t key = order_key(row[i], i);
+    if (key > keys.front()) {
+      std::pop_heap(keys.begin(), keys.end(), worse);
+      keys.back() = key;
+      std::push_heap(keys.begin(), keys.end(), worse);
     }
   }
-  std::sort_heap(heap.begin(), heap.end(), before);     // a strict total order: one result
+  std::sort(keys.begin(), keys.end(), std::greater<uint64_t>());
   for (int64_t j = 0; j < k; ++j) {
-    idx[j] = heap[j].i;
-    val[j] = heap[j].v;
+    const int64_t i = static_cast<int64_t>(keys[j] & 0xFFFFFFFFu);
+    idx[j] = i;
+    val[j] = row[i];
   }
 }
 
