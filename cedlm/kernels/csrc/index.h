@@ -222,12 +222,17 @@ inline void topk_row(const float* row, int64_t N, int64_t k, int64_t* idx, float
   const auto worse = std::greater<uint64_t>();
   for (int64_t i = 0; i < k; ++i) keys.push_back(order_key(row[i], i));
   std::make_heap(keys.begin(), keys.end(), worse);
+  // a score below the worst kept one (as floats: neither is NaN then) cannot enter: most of a
+  // long row is passed over with one comparison
+  float worst = row[keys.front() & 0xFFFFFFFFu];
   for (int64_t i = k; i < N; ++i) {
+    if (row[i] < worst) continue;
     const uint64_t key = order_key(row[i], i);
     if (key > keys.front()) {
       std::pop_heap(keys.begin(), keys.end(), worse);
       keys.back() = key;
       std::push_heap(keys.begin(), keys.end(), worse);
+      worst = row[keys.front() & 0xFFFFFFFFu];
     }
   }
   std::sort(keys.begin(), keys.end(), std::greater<uint64_t>());
