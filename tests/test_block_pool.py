@@ -356,3 +356,18 @@ def test_sequence_state_over_paged_rows(layout):
     for layer in ref.index:
         assert torch.equal(paged.index[layer].view(), ref.index[layer].view())
     assert pool.num_used * pool.bytes_per_block >= paged.nbytes()["main_kv"] + paged.nbytes()["index_keys"]
+
+
+def test_contiguous_rows_hold_whole_candidate_blocks():
+    """Contiguous rows keep a capacity of whole `ROW_QUANTUM` rows, as paged pools are whole blocks:
+    a compiled step's graph guards on the rows' count modulo the candidate block (a graph built on
+    paged rows recompiled for contiguous rows of 538)."""
+    from cedlm.config import CONFIG_DIR
+    from cedlm.model.state import ROW_QUANTUM
+    official = ModelConfig.from_json(CONFIG_DIR / "deepseek-v4.1-flash.config.json")
+    assert ROW_QUANTUM % official.candidate_block_size == 0
+    for cap in (1, 26, 64, 538):
+        r = ByteRows(72, capacity=cap)
+        assert r.buf.shape[0] % ROW_QUANTUM == 0 and r.buf.shape[0] >= cap
+        r.append(torch.zeros(cap + 5, 72, dtype=torch.uint8))
+        assert r.buf.shape[0] % ROW_QUANTUM == 0 and r.n == cap + 5 and r.allocated == r.buf.numel()

@@ -9,7 +9,7 @@ their own, and alternate (the interpreter and packages of this checkout; `code` 
 says which tree ran):
 
     git worktree add /tmp/old COMMIT && ln -s $PWD/.venv /tmp/old/.venv
-    CEDLM_KERNEL_DIR=/tmp/oldk PYTHONPATH=/tmp/old .venv/bin/python -m cedlm.kernels.build
+    (cd /tmp/old && CEDLM_KERNEL_DIR=/tmp/oldk PYTHONPATH=/tmp/old .venv/bin/python -m cedlm.kernels.build)
     for i in 1 2 3 4; do
       .venv/bin/python bench/scripts/decode_step_time.py
       (cd /tmp/old && CEDLM_KERNEL_DIR=/tmp/oldk PYTHONPATH=/tmp/old .venv/bin/python \\

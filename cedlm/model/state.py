@@ -17,13 +17,25 @@ from cedlm.kv_layout import KVLayout
 from cedlm.kernels import decode, encode
 
 
+# A ByteRows' capacity is a multiple of this many rows, as the engine's paged pools are whole
+# blocks: a whole number of the indexer's candidate blocks (8 rows in the official config; any
+# size dividing 64), so a compiled step sees the same divisibility whatever holds the rows (its
+# graph guards on it: a graph built on paged rows recompiled for contiguous rows of another
+# capacity).
+ROW_QUANTUM = 64
+
+
+def _whole(n: int) -> int:
+    return -(-max(n, 1) // ROW_QUANTUM) * ROW_QUANTUM
+
+
 class ByteRows:
-    """A growable [n, width] uint8 matrix (amortised doubling) on `device`; `nbytes` counts used
-    rows."""
+    """A growable [n, width] uint8 matrix (amortised doubling, capacity a multiple of
+    `ROW_QUANTUM` rows) on `device`; `nbytes` counts used rows, `allocated` the buffer."""
 
     def __init__(self, width: int, capacity: int = 16, device: torch.device | str = "cpu"):
         self.width = width
-        self.buf = torch.zeros(capacity, width, dtype=torch.uint8, device=device)
+        self.buf = torch.zeros(_whole(capacity), width, dtype=torch.uint8, device=device)
         self.n = 0
 
     def append(self, rows: torch.Tensor) -> None:
@@ -35,7 +47,7 @@ class ByteRows:
     def reserve(self, n: int) -> None:
         """Room for at least n rows (grows by doubling; the rows kept)."""
         if n > self.buf.shape[0]:
-            cap = max(self.buf.shape[0] * 2, n)
+            cap = _whole(max(self.buf.shape[0] * 2, n))
             new = torch.zeros(cap, self.width, dtype=torch.uint8, device=self.buf.device)
             new[: self.n] = self.buf[: self.n]
             self.buf = new
