@@ -122,9 +122,13 @@ def targets(s: dict, why: dict) -> list[dict]:
         out.append({"id": "vision_words", "target": "vision: held-out words", "goal": ">= 50%",
                     "measured": f"{s['vision_words_heldout_acc']:.1%}", "met": s["vision_words_heldout_acc"] >= 0.5})
     if "dspark_tokens_per_forward" in s:
-        out.append({"id": "dspark", "target": "DSpark tokens per target forward, batch 1", "goal": ">= 3",
-                    "measured": f"{s['dspark_tokens_per_forward']:.2f}", "met": s["dspark_tokens_per_forward"] >= 3})
+        out.append(dspark_target(s))
     return with_reasons(out, why)
+
+
+def dspark_target(s: dict) -> dict:
+    return {"id": "dspark", "target": "DSpark tokens per target forward, batch 1", "goal": ">= 3",
+            "measured": f"{s['dspark_tokens_per_forward']:.2f}", "met": s["dspark_tokens_per_forward"] >= 3}
 
 
 def with_reasons(targets: list[dict], why: dict) -> list[dict]:
@@ -220,6 +224,8 @@ def card_only(spec: dict, root: Path, out: Path) -> int:
     from cedlm.util import atomic_write_text
     s = _json(out / "summary.json")
     s.update(doc_keys(spec, root))
+    if "dspark_tokens_per_forward" in s:       # the drafter's target follows its latest figure
+        s["joint_targets"] = [dspark_target(s) if t["id"] == "dspark" else t for t in s.get("joint_targets", [])]
     with_reasons(s.get("joint_targets", []), spec.get("why", {}))
     atomic_write_text(out / "summary.json", json.dumps(s, indent=2) + "\n")
     for name, body in expected_files(out).items():
