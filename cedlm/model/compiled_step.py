@@ -183,11 +183,12 @@ def inductor_options(device, loop_rows: int = 0) -> dict:
         # The products of a batch-1 graph (one row for the decode step, the block's rows for the
         # verify and draft steps) as multiply-and-sum loops that inductor generates and fuses
         # with their neighbours, not calls of MKL: inductor's own pass (`decompose_mm_pass`).
-        # Measured on every projection and expert of the shipped model (bench/scripts/
-        # verify_step_time.py beside it): one row 7.8 -> 3.2 ms, six rows 10.4 -> 5.2 ms. The
-        # pass reads its limits from module globals, which `products_as_loops` sets around
-        # each call; they are here too so that inductor's cache tells the graphs apart. Graphs
-        # of a dynamic batch (>= 2) keep MKL.
+        # Measured with every projection and expert of the shipped model in one compiled graph
+        # of products, one thread: one row 7.8 -> 3.2 ms, six rows 10.4 -> 5.2 ms; the verify
+        # step (6 rows) went from 2.05 to about 1.8 plain steps (bench/scripts/
+        # verify_step_time.py). The pass reads its limits from module globals, which
+        # `products_as_loops` sets around each call; they are here too so that inductor's cache
+        # tells the graphs apart. Graphs of a dynamic batch (>= 2) keep MKL.
         options["post_grad_fusion_options"] = {"decompose_mm_pass": {
             "cpu_max_first_dimension_decomposition": loop_rows,
             "cpu_max_other_dimension_decomposition": LOOP_MAX_WIDTH}}
