@@ -505,3 +505,5 @@ def test_products_of_a_batch_1_graph_become_loops(tmp_path, monkeypatch):
     opts = compiled_step.inductor_options("cpu", 6)["post_grad_fusion_options"]["decompose_mm_pass"]
     assert opts["cpu_max_first_dimension_decomposition"] == 6       # inductor's cache key tells them apart
     assert "post_grad_fusion_options" not in compiled_step.inductor_options("cpu", 0)
+    assert compiled_step.loop_rows_for(6) == 6                       # the verify step of 5 drafts
+    assert compiled_step.loop_rows_for(compiled_step.LOOP_MAX_ROWS + 1) == 0   # more rows: MKL's

@@ -53,8 +53,11 @@ MODES = DECODE_STEPS
 # reused by every layer of that kind and called from `decode_step` run uncompiled, rather than
 # the whole step as one graph (CEDLM_COMPILE_REGIONS=1/0 overrides; see `Regions`).
 REGIONS = os.environ.get("CEDLM_COMPILE_REGIONS", "0") == "1"
-# The widest product `products_as_loops` generates as loops (the vocabulary head is 4,096 wide).
+# The widest product `products_as_loops` generates as loops (the vocabulary head is 4,096 wide),
+# and the most rows: measured faster than MKL at one row and at six (the verify step of a 5-draft
+# block); a step of more rows keeps MKL's products (`loop_rows_for`).
 LOOP_MAX_WIDTH = 1 << 20
+LOOP_MAX_ROWS = 8
 _LOOP_LIMITS = ("cpu_max_first_dimension_decomposition", "cpu_max_other_dimension_decomposition")
 # torch.compile's backend for the compiled steps. Another one ("eager": dynamo's capture and
 # guards without code generation) lets a test count graphs and recompilations in seconds.
@@ -259,6 +262,12 @@ def mark_dynamic(*pairs) -> None:
 def error_line(e: Exception) -> str:
     """The first line of an exception's message (at most 200 characters), for a one-line log."""
     return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def loop_rows_for(rows: int) -> int:
+    """The `loop_rows` of a step whose batch-1 graph multiplies `rows` rows: 0 (MKL's products)
+    beyond `LOOP_MAX_ROWS`."""
+    return rows if 0 < rows <= LOOP_MAX_ROWS else 0
 
 
 @contextmanager

@@ -35,8 +35,8 @@ from cedlm.model import dspark
 from cedlm.model.model import decode_step
 from cedlm.model.rollback import mark, rollback, verify
 from cedlm.model.static_kv import StepShapes
-from cedlm.model.compiled_step import (CompiledDecode, graph_name, mark_dynamic, run_step,
-                                       scratch_states, stored_step)
+from cedlm.model.compiled_step import (CompiledDecode, graph_name, loop_rows_for, mark_dynamic,
+                                       run_step, scratch_states, stored_step)
 from cedlm.model.state import SequenceState
 
 
@@ -71,9 +71,9 @@ class VerifyStep:
         self.decoder, self.model, self.T = decoder, decoder.model, T
         self.compile = decoder.mode == "compiled"
         self.fn = self.uncompiled = decode_step
-        self.loop_rows = T                       # the products of its batch-1 graph: T rows
+        self.loop_rows = loop_rows_for(T)        # the products of its batch-1 graph: T rows
         if self.compile:                         # a graph of its own (options as the decode step's)
-            self.fn = stored_step(decoder.model, f"verify{T}", loop_rows=T)
+            self.fn = stored_step(decoder.model, f"verify{T}", loop_rows=self.loop_rows)
         self._shapes: dict[bool, StepShapes] = {}
         self.compile_s: dict[str, float] = {}
         self.log = log
@@ -163,7 +163,7 @@ class DraftStep:
         self.decoder, self.model = decoder, decoder.model
         self.compile = decoder.mode == "compiled"
         self.uncompiled = dspark.draft_step
-        self.loop_rows = decoder.model.cfg.dspark_block_size       # a block's rows (batch 1)
+        self.loop_rows = loop_rows_for(decoder.model.cfg.dspark_block_size)    # a block's rows
         self.fn = (stored_step(decoder.model, "draft", dspark.draft_step, self.loop_rows)
                    if self.compile else dspark.draft_step)
         self.compile_s: dict[str, float] = {}
