@@ -38,9 +38,7 @@ def main() -> int:
     from cedlm.model import dspark
     from cedlm.model.compiled_step import CompiledDecode
     from cedlm.model.dspark_steps import DraftStep, VerifyStep
-    model = load_model(a.model)
-    model = model[0] if isinstance(model, tuple) else model
-    model.eval()
+    model = load_model(a.model)[0]                    # in eval mode
     state = synth_ced_state(model, a.context, seed=0, margin=a.rounds + 16)
     dec = CompiledDecode.of(model, "compiled")
     vs = VerifyStep.of(dec, a.T)

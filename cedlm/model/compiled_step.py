@@ -28,6 +28,7 @@ writes the outputs back to the sequence state on whatever device it lives.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import time
@@ -264,6 +265,17 @@ def error_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [""])[0][:200]
 
 
+@functools.lru_cache(maxsize=None)
+def _decompose_pass():
+    """torch's `decompose_mem_bound_mm` module if it has the limits `products_as_loops` sets, else
+    None: looked up once, not at every step."""
+    try:
+        from torch._inductor.fx_passes import decompose_mem_bound_mm as dm
+    except ImportError:
+        return None
+    return dm if all(hasattr(dm, n) for n in _LOOP_LIMITS) else None
+
+
 def loop_rows_for(rows: int) -> int:
     """The `loop_rows` of a step whose batch-1 graph multiplies `rows` rows: 0 (MKL's products)
     beyond `LOOP_MAX_ROWS`."""
@@ -278,11 +290,8 @@ def products_as_loops(rows: int):
     limits from module globals set when it is first imported, not from the options a compile
     passes; a graph of a dynamic batch is compiled with 1 row (a larger limit would make the
     pass guard its batched products on the batch size). Left alone if the names moved."""
-    try:
-        from torch._inductor.fx_passes import decompose_mem_bound_mm as dm
-    except ImportError:
-        dm = None
-    if dm is None or not all(hasattr(dm, n) for n in _LOOP_LIMITS):
+    dm = _decompose_pass()
+    if dm is None:
         yield
         return
     old = [getattr(dm, n) for n in _LOOP_LIMITS]
