@@ -64,6 +64,22 @@ def test_packed_attend_matches_decoded(B, T, H, hd, W, k, win_packed):
         assert torch.equal(attend(q, win, wv, comp, cv, sink, hd ** -0.5, dense=False), ref)
 
 
+def test_rows_of_a_block_equal_each_row_alone():
+    """Several query rows decode their sequence's window once and share it: each row's output is
+    bit for bit the one it gets called alone (decoded for itself); a window slot no row sees is
+    never read, even when its index is out of range."""
+    q, win, wv, comp, cv, sink = _case(2, 6, 4, 128, 64, 64, R=200, seed=11)
+    wv[:, :, 5] = False
+    win = PackedKeys(win.rows, win.index.clone(), win.fmt, win.dim)
+    win.index[:, 5] = 10 ** 6
+    got = ka.attend_packed(q, win, wv, comp, cv, sink, 128 ** -0.5)
+    for t in range(q.shape[1]):
+        one = PackedKeys(comp.rows, comp.index[:, t:t + 1].contiguous(), comp.fmt, comp.dim)
+        alone = ka.attend_packed(q[:, t:t + 1].contiguous(), win, wv[:, t:t + 1].contiguous(),
+                                 one, cv[:, t:t + 1].contiguous(), sink, 128 ** -0.5)
+        assert torch.equal(got[:, t:t + 1], alone), t
+
+
 def test_decoded_keys_are_the_codecs():
     _, win, _, comp, _, _ = _case(2, 3, 4, 128, 16, 8, R=40, seed=7)
     assert torch.equal(comp.decoded(), decode(comp.rows[comp.index], "kv_fp4", 128))

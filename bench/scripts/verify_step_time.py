@@ -5,6 +5,13 @@ this machine, and what a change to the verify or draft step buys.
 
     .venv/bin/python bench/scripts/verify_step_time.py [--context 512] [--rounds 40] [--T 6]
 
+Where each step's time goes: `--only verify` (or `plain`) runs that step alone for the rounds,
+to be sampled by a profiler once the warm-up is over (about 10 s with the graphs stored), e.g.
+
+    perf record -F 4000 -D 15000 -o verify.data -- .venv/bin/python \
+        bench/scripts/verify_step_time.py --only verify --rounds 3000
+    perf report -i verify.data --sort dso      # the graph's .so, cedlm_kernels.so, the host
+
 The cache is filled with random values (`cedlm.bench.common.synth_ced_state`); each step's graphs
 are compiled or loaded before the timing (`warm_s`). The verify step writes nothing back, so every
 round verifies against the same cache; the plain step decodes on. `verify_over_plain` and
@@ -29,6 +36,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--T", type=int, default=6, help="rows verified per call: the anchor + drafts")
+    ap.add_argument("--only", choices=("verify", "plain"),
+                    help="time only this step (a loop for a profiler to sample)")
     a = ap.parse_args()
     import torch
     torch.set_num_threads(1)
@@ -39,7 +48,8 @@ def main() -> int:
     from cedlm.model.compiled_step import CompiledDecode
     from cedlm.model.dspark_steps import DraftStep, VerifyStep
     model = load_model(a.model)[0]                    # in eval mode
-    state = synth_ced_state(model, a.context, seed=0, margin=a.rounds + 16)
+    plain_rounds = 0 if a.only == "verify" else a.rounds       # each plain step adds a token
+    state = synth_ced_state(model, a.context, seed=0, margin=plain_rounds + 16)
     dec = CompiledDecode.of(model, "compiled")
     vs = VerifyStep.of(dec, a.T)
     ds = DraftStep.of(dec) if hasattr(model, "mtp") else None
@@ -61,21 +71,27 @@ def main() -> int:
     warm["plain"] = time.perf_counter() - t0
     plain, verify, draft = [], [], []
     for _ in range(a.rounds):
-        t0 = time.perf_counter()
-        tok = dec(tok, [state]).argmax(-1)
-        plain.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        vs(ids, [state])
-        verify.append(time.perf_counter() - t0)
-        if ds is not None:
+        if a.only != "verify":
+            t0 = time.perf_counter()
+            tok = dec(tok, [state]).argmax(-1)
+            plain.append(time.perf_counter() - t0)
+        if a.only != "plain":
+            t0 = time.perf_counter()
+            vs(ids, [state])
+            verify.append(time.perf_counter() - t0)
+        if ds is not None and a.only is None:
             t0 = time.perf_counter()
             ds([dst], ids[0, :1], torch.tensor([state.num_tokens]))
             draft.append(time.perf_counter() - t0)
-    p, v = _median(plain), _median(verify)
     out = {"code": cedlm.__file__, "context": a.context, "T": a.T, "rounds": a.rounds,
-           "warm_s": {k: round(x, 1) for k, x in warm.items()},
-           "plain_ms": round(p * 1e3, 3), "verify_ms": round(v * 1e3, 3),
-           "verify_over_plain": round(v / p, 3)}
+           "warm_s": {k: round(x, 1) for k, x in warm.items()}}
+    if plain:
+        p = _median(plain)
+        out["plain_ms"] = round(p * 1e3, 3)
+    if verify:
+        out["verify_ms"] = round(_median(verify) * 1e3, 3)
+    if plain and verify:
+        out["verify_over_plain"] = round(_median(verify) / p, 3)
     if draft:
         d = _median(draft)
         out.update(draft_ms=round(d * 1e3, 3), draft_over_plain=round(d / p, 3))

@@ -285,6 +285,32 @@ torch::Tensor attend_packed(torch::Tensor q, torch::Tensor win_rows, torch::Tens
   const float sc = static_cast<float>(scale);
   constexpr int64_t TILE = cedlm_index::KEY_TILE;
   const bool avx2 = cedlm_attend::use_avx2(hd);
+  // Several query rows of a sequence (a verification's block, a prefill chunk) share its window:
+  // its packed rows are decoded once, where any row sees them, into float32 rows that every
+  // query row then reads (the same floats the per-row decode gives).
+  cedlm_attend::RowStore wst = ws;
+  std::vector<float> wdec;
+  std::vector<int64_t> wslot;
+  if (T > 1 && ws.f32 == nullptr && W > 0) {
+    wdec.assign(B * W * hd, 0.f);
+    wslot.resize(B * W);
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t w = 0; w < W; ++w) {
+          wslot[b * W + w] = b * W + w;
+          bool seen = false;
+          for (int64_t t = 0; t < T && !seen; ++t) seen = wv[(b * T + t) * W + w] != 0;
+          if (seen)
+            decode_key(ws.bytes + wi[b * W + w] * ws.stride, ws.kind, hd, ws.block,
+                       wdec.data() + (b * W + w) * hd);
+        }
+    });
+    wst.f32 = wdec.data();
+    wst.bytes = nullptr;
+    wst.kind = -1;
+    wst.stride = hd;
+    wi = wslot.data();
+  }
   at::parallel_for(0, B * T, 1, [&](int64_t r0, int64_t r1) {
     alignas(32) float tile[TILE * cedlm_index::MAX_DIM];
     const float* key[TILE];
@@ -294,7 +320,7 @@ torch::Tensor attend_packed(torch::Tensor q, torch::Tensor win_rows, torch::Tens
       for (int64_t h = 0; h < H; ++h) { m[h] = sp[h]; l[h] = 1.f; }   // the sink: exp(0)
       std::fill(acc.begin(), acc.end(), 0.f);
       const float* qr = qp + r * H * hd;
-      cedlm_attend::attend_keys(qr, H, hd, ws, wi + b * W, wv + r * W, W, sc, decode_key, avx2,
+      cedlm_attend::attend_keys(qr, H, hd, wst, wi + b * W, wv + r * W, W, sc, decode_key, avx2,
                                 tile, key, s.data(), m.data(), l.data(), acc.data());
       cedlm_attend::attend_keys(qr, H, hd, cs, ci + r * K, cv + r * K, K, sc, decode_key, avx2,
                                 tile, key, s.data(), m.data(), l.data(), acc.data());
