@@ -532,20 +532,3 @@ def test_forks_respect_the_owner_share():
     with pytest.raises(ValueError, match="max_seqs_per_owner"):
         Scheduler(a, num_blocks=1, block_tokens=4, max_num_seqs=2, prefill_chunk=4, max_model_len=8,
                   max_seqs_per_owner=0)
-
-
-def test_prompts_awaiting_their_first_token_are_counted_until_their_prefill_completes():
-    """Queued and prefilling requests (whose first tokens wait on every step, the speculation
-    policy's `prompts_waiting`), not running ones."""
-    a = FakeAlloc(100, 4)
-    s = Scheduler(a, num_blocks=100, block_tokens=4, max_num_seqs=2, prefill_chunk=5, max_model_len=100)
-    assert s.num_awaiting_first_token == 0
-    for rid, n in (("a", 3), ("b", 12), ("c", 3)):
-        s.add(mk(rid, n, max_tokens=20))
-    assert s.num_awaiting_first_token == 3           # all queued
-    run_step(s, s.schedule())                        # a prefilled whole; b admitted, c queued
-    assert s.num_running == 1 and s.num_awaiting_first_token == 2
-    for _ in range(3):                               # b's three chunks beside a's decoding
-        assert s.num_awaiting_first_token == 2
-        run_step(s, s.schedule())
-    assert s.num_running == 2 and s.num_awaiting_first_token == 1     # c waits for a slot

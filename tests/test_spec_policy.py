@@ -277,18 +277,3 @@ def test_the_paired_ratio_outlasts_a_change_of_load():
     assert adaptive.cost("plain", 8) == pytest.approx(0.020)                   # stale
     assert adaptive.paired(8) == (pytest.approx(0.030, rel=0.02), pytest.approx(0.010, rel=0.02))
     assert adaptive.gain(8) == pytest.approx(2.0 / 3.0) and adaptive.decide(8) is False
-
-
-def test_prompts_waiting_for_their_first_token_get_plain_steps():
-    """Where speculation pays, a step with prompts queued or prefilling still decodes plainly
-    (their first tokens wait on it; counted as a plain step, not as exploration), and speculates
-    again once they are served; `always` speculates regardless."""
-    p = primed({("spec", 4): 0.015, ("plain", 4): 0.010}, 2.0)
-    assert p.decide(4)
-    spec_before, plain_before, explored = p.speculative_steps, p.plain_steps, p.exploration_steps
-    assert not p.decide(4, prompts_waiting=2)
-    assert p.last.reason == "prompts waiting"
-    assert (p.speculative_steps, p.plain_steps, p.exploration_steps) == (
-        spec_before, plain_before + 1, explored)
-    assert p.decide(4, prompts_waiting=0)
-    assert SpecPolicy(PolicyConfig(mode="always")).decide(4, prompts_waiting=3)

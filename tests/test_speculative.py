@@ -224,7 +224,7 @@ class Scripted(SpecPolicy):
         super().__init__()
         self.pattern, self.i = pattern, 0
 
-    def _decide(self, n_spec, n_other, acceptance, prompts_waiting=0):     # the pattern alone
+    def _decide(self, n_spec, n_other, acceptance):
         self.i += 1
         return Decision(self.pattern[(self.i - 1) % len(self.pattern)], "explore")
 

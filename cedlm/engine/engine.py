@@ -484,8 +484,7 @@ class Engine:
         sp = self.speculator
         spec = [r for r in reqs if sp.speculates(r.params)] if sp is not None else []
         if spec and not sp.decide(len(spec), len(reqs) - len(spec),
-                                  [self.runs[r.request_id] for r in spec],
-                                  self.scheduler.num_awaiting_first_token):
+                                  [self.runs[r.request_id] for r in spec]):
             spec = []
         plain = [r for r in reqs if not any(r is s for s in spec)]
         if plain:

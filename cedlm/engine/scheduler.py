@@ -263,12 +263,6 @@ class Scheduler:
         return sum(r.status is Status.RUNNING for r in self.active)
 
     # ---------------------------------------------------------------- planning
-    @property
-    def num_awaiting_first_token(self) -> int:
-        """Requests queued or prefilling: each one's first token waits on the steps until its
-        prefill completes."""
-        return len(self.waiting) + sum(r.status is Status.PREFILLING for r in self.active)
-
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.active.remove(req)
         self._release(req)

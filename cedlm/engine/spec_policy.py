@@ -36,11 +36,8 @@ without the drafter's most recent context, so its acceptance is not counted; one
 whenever the credit allows: each exploited step earns `explore` x its estimated seconds, a probe
 spends its estimated loss against the chosen option (with the drafts lost to the missing context
 rows on resuming, `cold_loss`). Exploration thus costs at most about `explore` of the decode time, and near the break-even point (where the choice matters and the loss
-of a probe is small) it probes often. While prompts are queued or prefilling (`prompts_waiting`), the step decodes plainly: each of
-those prompts waits on the step for its first token, and a speculative step takes longer than a
-plain one (with 8 streams arriving together, the speculating server's streams decoded 1.08-1.15x
-faster but got their first tokens 25-30 % later). `mode="always"` speculates every step
-(benchmarks, tests that need drafting every step) and still measures.
+of a probe is small) it probes often. `mode="always"` speculates every step (benchmarks, tests
+that need drafting every step) and still measures.
 """
 from __future__ import annotations
 
@@ -291,15 +288,13 @@ class SpecPolicy:
         return ((n_other + a * n_spec) / (s + pm + o)) / ((n_other + n_spec) / (p + o))
 
     # ---------------------------------------------------------------- decisions
-    def decide(self, n_spec: int, n_other: int = 0, acceptance: float | None = None,
-               prompts_waiting: int = 0) -> bool:
+    def decide(self, n_spec: int, n_other: int = 0, acceptance: float | None = None) -> bool:
         """Whether this step speculates for its n_spec sequences that may (n_other decode plainly
         in any case). `acceptance`: tokens per verification expected of this batch (default the
-        global average); `prompts_waiting`: prompts queued or prefilling, whose first tokens wait
-        on this step."""
+        global average)."""
         if n_spec <= 0:
             return False
-        d = self._decide(n_spec, n_other, acceptance, prompts_waiting)
+        d = self._decide(n_spec, n_other, acceptance)
         self.last = d
         if d.speculate:
             self.speculative_steps += 1
@@ -309,13 +304,10 @@ class SpecPolicy:
             self.exploration_steps += 1
         return d.speculate
 
-    def _decide(self, n_spec: int, n_other: int, acceptance: float | None,
-                prompts_waiting: int = 0) -> Decision:
+    def _decide(self, n_spec: int, n_other: int, acceptance: float | None) -> Decision:
         cfg = self.config
         if cfg.mode == "always":
             return Decision(True, "always")
-        if prompts_waiting:                               # their first tokens wait on this step
-            return Decision(False, "prompts waiting")
         b = self.buckets.setdefault((bucket(n_spec), bucket(n_other)), _Bucket())
         if b.burst > 0:                                   # an exploration burst goes on
             b.burst -= 1

@@ -227,17 +227,16 @@ class DSparkSpeculator:
             return False
         return self.policy.mode == "always" or params.greedy or params.seed is None
 
-    def decide(self, n_spec: int, n_other: int = 0, runs=None, prompts_waiting: int = 0) -> bool:
+    def decide(self, n_spec: int, n_other: int = 0, runs=None) -> bool:
         """Whether this decode step speculates for its n_spec sequences that may (runs: their
-        runtimes; n_other decode one token plainly in any case; prompts_waiting: prompts queued or
-        prefilling): the policy's choice (`SpecPolicy.decide`) for the acceptance expected of
-        these sequences."""
+        runtimes; n_other decode one token plainly in any case): the policy's choice
+        (`SpecPolicy.decide`) for the acceptance expected of these sequences."""
         mode = self._decoder_mode()
         if mode != self._step_mode:                 # another step now: its costs are to measure
             self._step_mode = mode
             self.policy.reset_costs()
         a = None if runs is None else self.policy.batch_acceptance([self._accept.get(u) for u in runs])
-        return self.policy.decide(n_spec, n_other, a, prompts_waiting)
+        return self.policy.decide(n_spec, n_other, a)
 
     def observe(self, kind: str, n: int, seconds: float) -> None:
         """The engine's decode step of `kind` ("plain" | "spec") over n sequences took seconds."""
