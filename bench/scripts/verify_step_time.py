@@ -6,9 +6,9 @@ this machine, and what a change to the verify or draft step buys.
     .venv/bin/python bench/scripts/verify_step_time.py [--context 512] [--rounds 40] [--T 6]
 
 Where each step's time goes: `--only verify` (or `plain`) runs that step alone for the rounds,
-to be sampled by a profiler once the warm-up is over (about 10 s with the graphs stored), e.g.
+to be sampled by a profiler once the warm-up is over (about 5 s with the graphs stored), e.g.
 
-    perf record -F 4000 -D 15000 -o verify.data -- .venv/bin/python \
+    perf record -F 4000 -D 8000 -o verify.data -- .venv/bin/python \
         bench/scripts/verify_step_time.py --only verify --rounds 3000
     perf report -i verify.data --sort dso      # the graph's .so, cedlm_kernels.so, the host
 
@@ -85,13 +85,14 @@ def main() -> int:
             draft.append(time.perf_counter() - t0)
     out = {"code": cedlm.__file__, "context": a.context, "T": a.T, "rounds": a.rounds,
            "warm_s": {k: round(x, 1) for k, x in warm.items()}}
-    if plain:
-        p = _median(plain)
+    p = _median(plain) if plain else None
+    v = _median(verify) if verify else None
+    if p:
         out["plain_ms"] = round(p * 1e3, 3)
-    if verify:
-        out["verify_ms"] = round(_median(verify) * 1e3, 3)
-    if plain and verify:
-        out["verify_over_plain"] = round(_median(verify) / p, 3)
+    if v:
+        out["verify_ms"] = round(v * 1e3, 3)
+    if p and v:
+        out["verify_over_plain"] = round(v / p, 3)
     if draft:
         d = _median(draft)
         out.update(draft_ms=round(d * 1e3, 3), draft_over_plain=round(d / p, 3))

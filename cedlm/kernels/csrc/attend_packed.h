@@ -285,7 +285,7 @@ torch::Tensor attend_packed(torch::Tensor q, torch::Tensor win_rows, torch::Tens
   const float sc = static_cast<float>(scale);
   constexpr int64_t TILE = cedlm_index::KEY_TILE;
   const bool avx2 = cedlm_attend::use_avx2(hd);
-  // Several query rows of a sequence (a verification's block, a prefill chunk) share its window:
+  // Several query rows of a sequence (a verification's block in the static step) share its window:
   // its packed rows are decoded once, where any row sees them, into float32 rows that every
   // query row then reads (the same floats the per-row decode gives).
   cedlm_attend::RowStore wst = ws;
